@@ -1,0 +1,156 @@
+// Per-element update rules of the optimizers, shared by the CPU and CUDA kernels.
+//
+// Each rule takes the scalars that are the same for a whole parameter (hoisted once per
+// parameter by the step driver, see make_*_scalars) and updates one element in fp32.
+// The operation order follows torch.optim's implementations, so that exact mode
+// (fp32 state) matches torch.optim.AdamW / SGD to fp32 rounding.
+#pragma once
+
+#include <cmath>
+
+#include "pagedoptim/common.h"
+
+namespace pagedoptim::codec {
+
+// ---------------------------------------------------------------------------------------------
+// AdamW (decoupled weight decay), torch.optim.AdamW's math:
+//   p *= 1 - lr*wd;  m = lerp(m, g, 1-beta1);  v = beta2*v + (1-beta2)*g*g
+//   denom = sqrt(max(v)) / sqrt(1-beta2^t) + eps;  p -= lr/(1-beta1^t) * m / denom
+struct AdamWScalars {
+  float decay;             // 1 - lr * weight_decay
+  float beta1;
+  float one_minus_beta1;   // lerp weight
+  float beta2;
+  float one_minus_beta2;
+  float step_size;         // lr / (1 - beta1^t)
+  float bias_correction2_sqrt;  // sqrt(1 - beta2^t)
+  float eps;
+  float grad_sign;         // -1 when maximizing
+};
+
+inline AdamWScalars make_adamw_scalars(double lr, double beta1, double beta2, double eps,
+                                       double weight_decay, long step, bool maximize) {
+  AdamWScalars s;
+  // torch computes these in Python floats (double) and hands them to the kernels as
+  // scalars; doing the same keeps the rounding identical.
+  s.decay = float(1.0 - lr * weight_decay);
+  s.beta1 = float(beta1);
+  s.one_minus_beta1 = float(1.0 - beta1);
+  s.beta2 = float(beta2);
+  s.one_minus_beta2 = float(1.0 - beta2);
+  const double bias_correction1 = 1.0 - std::pow(beta1, double(step));
+  const double bias_correction2 = 1.0 - std::pow(beta2, double(step));
+  s.step_size = float(lr / bias_correction1);
+  s.bias_correction2_sqrt = float(std::sqrt(bias_correction2));
+  s.eps = float(eps);
+  s.grad_sign = maximize ? -1.0f : 1.0f;
+  return s;
+}
+
+// torch's lerp: numerically stable on both halves of the weight range.
+PO_HOST_DEVICE float lerp(float from, float to, float weight) {
+  return weight < 0.5f ? from + weight * (to - from) : to - (to - from) * (1.0f - weight);
+}
+
+// One AdamW element with fp32 state. `v_max` is read and written only when amsgrad is on.
+template <bool kAmsgrad>
+PO_HOST_DEVICE void adamw_element(float& param, float grad, float& m, float& v, float& v_max,
+                                  const AdamWScalars& s) {
+  grad *= s.grad_sign;
+  param *= s.decay;
+  m = lerp(m, grad, s.one_minus_beta1);
+  v = v * s.beta2 + s.one_minus_beta2 * grad * grad;
+  float second_moment = v;
+  if constexpr (kAmsgrad) {
+    v_max = v_max > v ? v_max : v;
+    second_moment = v_max;
+  }
+  const float denom = sqrtf(second_moment) / s.bias_correction2_sqrt + s.eps;
+  param -= s.step_size * (m / denom);
+}
+
+// ---------------------------------------------------------------------------------------------
+// SGD, torch.optim.SGD's math:
+//   g = ±g + wd*p;  b = first ? g : momentum*b + (1-dampening)*g
+//   g = nesterov ? g + momentum*b : b;  p -= lr*g
+struct SGDScalars {
+  float lr;
+  float weight_decay;
+  float momentum;
+  float one_minus_dampening;
+  float grad_sign;
+  bool nesterov;
+  bool first_step;  // the momentum buffer starts as a copy of the first gradient
+};
+
+inline SGDScalars make_sgd_scalars(double lr, double momentum, double dampening,
+                                   double weight_decay, bool nesterov, bool maximize,
+                                   bool first_step) {
+  SGDScalars s;
+  s.lr = float(lr);
+  s.weight_decay = float(weight_decay);
+  s.momentum = float(momentum);
+  s.one_minus_dampening = float(1.0 - dampening);
+  s.grad_sign = maximize ? -1.0f : 1.0f;
+  s.nesterov = nesterov;
+  s.first_step = first_step;
+  return s;
+}
+
+PO_HOST_DEVICE float sgd_direction(float param, float grad, const SGDScalars& s) {
+  grad *= s.grad_sign;
+  if (s.weight_decay != 0.0f) grad += s.weight_decay * param;
+  return grad;
+}
+
+// SGD with a momentum buffer (momentum != 0).
+PO_HOST_DEVICE void sgd_momentum_element(float& param, float grad, float& buffer,
+                                         const SGDScalars& s) {
+  grad = sgd_direction(param, grad, s);
+  buffer = s.first_step ? grad : buffer * s.momentum + s.one_minus_dampening * grad;
+  const float direction = s.nesterov ? grad + s.momentum * buffer : buffer;
+  param -= s.lr * direction;
+}
+
+// Plain SGD (momentum == 0): no state at all.
+PO_HOST_DEVICE void sgd_element(float& param, float grad, const SGDScalars& s) {
+  param -= s.lr * sgd_direction(param, grad, s);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Lion (Chen et al. 2023), the reference formulation:
+//   p *= 1 - lr*wd;  p -= lr * sign(beta1*m + (1-beta1)*g);  m = beta2*m + (1-beta2)*g
+struct LionScalars {
+  float lr;
+  float decay;  // 1 - lr * weight_decay
+  float beta1;
+  float one_minus_beta1;
+  float beta2;
+  float one_minus_beta2;
+  float grad_sign;
+};
+
+inline LionScalars make_lion_scalars(double lr, double beta1, double beta2,
+                                     double weight_decay, bool maximize) {
+  LionScalars s;
+  s.lr = float(lr);
+  s.decay = float(1.0 - lr * weight_decay);
+  s.beta1 = float(beta1);
+  s.one_minus_beta1 = float(1.0 - beta1);
+  s.beta2 = float(beta2);
+  s.one_minus_beta2 = float(1.0 - beta2);
+  s.grad_sign = maximize ? -1.0f : 1.0f;
+  return s;
+}
+
+PO_HOST_DEVICE float sign_of(float x) { return float(x > 0.0f) - float(x < 0.0f); }
+
+PO_HOST_DEVICE void lion_element(float& param, float grad, float& m, const LionScalars& s) {
+  grad *= s.grad_sign;
+  param *= s.decay;
+  const float interpolated = m * s.beta1 + grad * s.one_minus_beta1;
+  param -= s.lr * sign_of(interpolated);
+  m = m * s.beta2 + grad * s.one_minus_beta2;
+}
+
+}  // namespace pagedoptim::codec
