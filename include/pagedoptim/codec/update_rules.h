@@ -47,9 +47,10 @@ inline AdamWScalars make_adamw_scalars(double lr, double beta1, double beta2, do
   return s;
 }
 
-// torch's lerp: numerically stable on both halves of the weight range.
+// torch's lerp: numerically stable on both halves of the weight range, one fused
+// multiply-add as in ATen's vectorized lerp.
 PO_HOST_DEVICE float lerp(float from, float to, float weight) {
-  return weight < 0.5f ? from + weight * (to - from) : to - (to - from) * (1.0f - weight);
+  return weight < 0.5f ? fmaf(weight, to - from, from) : fmaf(weight - 1.0f, to - from, to);
 }
 
 // One AdamW element with fp32 state. `v_max` is read and written only when amsgrad is on.
@@ -59,14 +60,14 @@ PO_HOST_DEVICE void adamw_element(float& param, float grad, float& m, float& v, 
   grad *= s.grad_sign;
   param *= s.decay;
   m = lerp(m, grad, s.one_minus_beta1);
-  v = v * s.beta2 + s.one_minus_beta2 * grad * grad;
+  v = fmaf(s.one_minus_beta2 * grad, grad, v * s.beta2);
   float second_moment = v;
   if constexpr (kAmsgrad) {
     v_max = v_max > v ? v_max : v;
     second_moment = v_max;
   }
   const float denom = sqrtf(second_moment) / s.bias_correction2_sqrt + s.eps;
-  param -= s.step_size * (m / denom);
+  param += (-s.step_size * m) / denom;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -97,9 +98,11 @@ inline SGDScalars make_sgd_scalars(double lr, double momentum, double dampening,
   return s;
 }
 
+// torch's `a.add(b, alpha=x)` is one fused multiply-add, fmaf(b, x, a), on its vector
+// path; the rules below spell that out so that -ffp-contract=off builds stay bit-identical.
 PO_HOST_DEVICE float sgd_direction(float param, float grad, const SGDScalars& s) {
   grad *= s.grad_sign;
-  if (s.weight_decay != 0.0f) grad += s.weight_decay * param;
+  if (s.weight_decay != 0.0f) grad = fmaf(param, s.weight_decay, grad);
   return grad;
 }
 
@@ -107,14 +110,14 @@ PO_HOST_DEVICE float sgd_direction(float param, float grad, const SGDScalars& s)
 PO_HOST_DEVICE void sgd_momentum_element(float& param, float grad, float& buffer,
                                          const SGDScalars& s) {
   grad = sgd_direction(param, grad, s);
-  buffer = s.first_step ? grad : buffer * s.momentum + s.one_minus_dampening * grad;
-  const float direction = s.nesterov ? grad + s.momentum * buffer : buffer;
-  param -= s.lr * direction;
+  buffer = s.first_step ? grad : fmaf(grad, s.one_minus_dampening, buffer * s.momentum);
+  const float direction = s.nesterov ? fmaf(buffer, s.momentum, grad) : buffer;
+  param = fmaf(direction, -s.lr, param);
 }
 
 // Plain SGD (momentum == 0): no state at all.
 PO_HOST_DEVICE void sgd_element(float& param, float grad, const SGDScalars& s) {
-  param -= s.lr * sgd_direction(param, grad, s);
+  param = fmaf(sgd_direction(param, grad, s), -s.lr, param);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -148,9 +151,9 @@ PO_HOST_DEVICE float sign_of(float x) { return float(x > 0.0f) - float(x < 0.0f)
 PO_HOST_DEVICE void lion_element(float& param, float grad, float& m, const LionScalars& s) {
   grad *= s.grad_sign;
   param *= s.decay;
-  const float interpolated = m * s.beta1 + grad * s.one_minus_beta1;
-  param -= s.lr * sign_of(interpolated);
-  m = m * s.beta2 + grad * s.one_minus_beta2;
+  const float interpolated = fmaf(grad, s.one_minus_beta1, m * s.beta1);
+  param = fmaf(sign_of(interpolated), -s.lr, param);
+  m = fmaf(grad, s.one_minus_beta2, m * s.beta2);
 }
 
 }  // namespace pagedoptim::codec

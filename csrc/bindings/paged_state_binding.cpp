@@ -1,0 +1,217 @@
+// pybind11 binding of the optimizer engine (PagedState) for the Python optimizers.
+//
+// This is the boundary where tensors become raw pointers: every argument is validated here
+// with messages that name it, then the GIL is released for the step itself.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "pagedoptim/optim/paged_state.h"
+
+namespace pagedoptim::bindings {
+namespace {
+
+using optim::OptimizerKind;
+
+OptimizerKind parse_kind(const std::string& kind) {
+  if (kind == "adamw") return OptimizerKind::kAdamW;
+  if (kind == "sgd") return OptimizerKind::kSGD;
+  if (kind == "lion") return OptimizerKind::kLion;
+  TORCH_CHECK_VALUE(false, "optimizer kind must be 'adamw', 'sgd' or 'lion', got '", kind, "'");
+}
+
+kernels::ElementType element_type(const at::Tensor& t, const char* what, size_t index) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return kernels::ElementType::kFloat32;
+    case at::kBFloat16: return kernels::ElementType::kBFloat16;
+    case at::kHalf: return kernels::ElementType::kFloat16;
+    default:
+      TORCH_CHECK_TYPE(false, what, " ", index, " must be float32, bfloat16 or float16, got ",
+                       t.scalar_type());
+  }
+}
+
+const optim::ParallelFor& torch_parallel_for() {
+  static const optim::ParallelFor parallel_for =
+      [](int64_t n, const std::function<void(int64_t, int64_t)>& body) {
+        at::parallel_for(0, n, 1, body);
+      };
+  return parallel_for;
+}
+
+// Validates one call's tensors and turns them into the driver's ParamSteps.
+std::vector<optim::ParamStep> to_param_steps(const std::vector<at::Tensor>& params,
+                                             const std::vector<at::Tensor>& grads,
+                                             const std::vector<at::Tensor>& steps,
+                                             const std::vector<int64_t>& slots,
+                                             const std::vector<int64_t>& groups,
+                                             size_t num_groups) {
+  const size_t n = params.size();
+  TORCH_CHECK_VALUE(grads.size() == n && steps.size() == n && slots.size() == n &&
+                        groups.size() == n,
+                    "params, grads, steps, slots and groups must have one entry per parameter, "
+                    "got ", n, ", ", grads.size(), ", ", steps.size(), ", ", slots.size(), ", ",
+                    groups.size());
+  std::vector<optim::ParamStep> out;
+  out.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    const at::Tensor& g = grads[i];
+    const at::Tensor& s = steps[i];
+    TORCH_CHECK_VALUE(p.device().is_cpu(), "param ", i, " must be on cpu, got ", p.device());
+    TORCH_CHECK_VALUE(g.device().is_cpu(), "grad for param ", i, " must be on cpu, got ",
+                      g.device());
+    TORCH_CHECK_VALUE(p.is_contiguous() && g.is_contiguous(), "param ", i,
+                      " and its grad must be contiguous");
+    TORCH_CHECK_TYPE(g.scalar_type() == p.scalar_type(), "grad for param ", i, " must be ",
+                     p.scalar_type(), " like its param, got ", g.scalar_type());
+    TORCH_CHECK_VALUE(g.numel() == p.numel(), "grad for param ", i, " has ", g.numel(),
+                      " elements, the param has ", p.numel());
+    TORCH_CHECK_VALUE(s.device().is_cpu() && s.scalar_type() == at::kFloat && s.numel() == 1,
+                      "step counter ", i, " must be a one-element float32 cpu tensor");
+    TORCH_CHECK_VALUE(groups[i] >= 0 && size_t(groups[i]) < num_groups, "group index ",
+                      groups[i], " of param ", i, " is out of range");
+    out.push_back(optim::ParamStep{
+        int32_t(slots[i]),
+        kernels::ParamSpan{p.data_ptr(), g.data_ptr(), p.numel(), element_type(p, "param", i)},
+        int32_t(groups[i]), s.data_ptr<float>()});
+  }
+  return out;
+}
+
+// Runs one step with the GIL released, after the tensors were validated with it held.
+template <class Group, class Step>
+void run_step(optim::PagedState& state, const std::vector<at::Tensor>& params,
+              const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& steps,
+              const std::vector<int64_t>& slots, const std::vector<int64_t>& groups,
+              const std::vector<Group>& group_values, Step step) {
+  const std::vector<optim::ParamStep> param_steps =
+      to_param_steps(params, grads, steps, slots, groups, group_values.size());
+  pybind11::gil_scoped_release no_gil;
+  (state.*step)(param_steps, group_values, torch_parallel_for());
+}
+
+using AdamWGroupTuple = std::tuple<double, double, double, double, double, bool, bool>;
+using SGDGroupTuple = std::tuple<double, double, double, double, bool, bool>;
+using LionGroupTuple = std::tuple<double, double, double, double, bool>;
+
+std::vector<optim::AdamWGroup> to_groups(const std::vector<AdamWGroupTuple>& in) {
+  std::vector<optim::AdamWGroup> out;
+  for (const auto& [lr, beta1, beta2, eps, wd, amsgrad, maximize] : in) {
+    out.push_back(optim::AdamWGroup{lr, beta1, beta2, eps, wd, amsgrad, maximize});
+  }
+  return out;
+}
+
+std::vector<optim::SGDGroup> to_groups(const std::vector<SGDGroupTuple>& in) {
+  std::vector<optim::SGDGroup> out;
+  for (const auto& [lr, momentum, dampening, wd, nesterov, maximize] : in) {
+    out.push_back(optim::SGDGroup{lr, momentum, dampening, wd, nesterov, maximize});
+  }
+  return out;
+}
+
+std::vector<optim::LionGroup> to_groups(const std::vector<LionGroupTuple>& in) {
+  std::vector<optim::LionGroup> out;
+  for (const auto& [lr, beta1, beta2, wd, maximize] : in) {
+    out.push_back(optim::LionGroup{lr, beta1, beta2, wd, maximize});
+  }
+  return out;
+}
+
+}  // namespace
+
+void bind_paged_state(pybind11::module_& m) {
+  namespace py = pybind11;
+  using optim::PagedState;
+  py::class_<PagedState>(m, "PagedState",
+                         "Paged optimizer state of one optimizer: page table, store, driver.")
+      .def(py::init([](const std::string& kind,
+                       const std::vector<std::tuple<std::string, int64_t, bool>>& streams,
+                       int64_t page_bytes) {
+             TORCH_CHECK_VALUE(page_bytes > 0 && page_bytes % 4096 == 0,
+                               "page_bytes must be a positive multiple of 4096, got ",
+                               page_bytes);
+             std::vector<paging::StreamSpec> specs;
+             for (const auto& [name, bytes_per_group, per_group] : streams) {
+               specs.push_back(paging::StreamSpec{name, bytes_per_group, per_group});
+             }
+             return std::make_unique<PagedState>(
+                 parse_kind(kind), std::move(specs),
+                 std::make_unique<paging::HostPageStore>(page_bytes));
+           }),
+           py::arg("kind"), py::arg("streams"), py::arg("page_bytes"))
+      .def("register_param", &PagedState::register_param, py::arg("numel"))
+      .def("step_adamw",
+           [](PagedState& s, const std::vector<at::Tensor>& params,
+              const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& steps,
+              const std::vector<int64_t>& slots, const std::vector<int64_t>& groups,
+              const std::vector<AdamWGroupTuple>& hyper) {
+             run_step(s, params, grads, steps, slots, groups, to_groups(hyper),
+                      &PagedState::step_adamw);
+           })
+      .def("step_sgd",
+           [](PagedState& s, const std::vector<at::Tensor>& params,
+              const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& steps,
+              const std::vector<int64_t>& slots, const std::vector<int64_t>& groups,
+              const std::vector<SGDGroupTuple>& hyper) {
+             run_step(s, params, grads, steps, slots, groups, to_groups(hyper),
+                      &PagedState::step_sgd);
+           })
+      .def("step_lion",
+           [](PagedState& s, const std::vector<at::Tensor>& params,
+              const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& steps,
+              const std::vector<int64_t>& slots, const std::vector<int64_t>& groups,
+              const std::vector<LionGroupTuple>& hyper) {
+             run_step(s, params, grads, steps, slots, groups, to_groups(hyper),
+                      &PagedState::step_lion);
+           })
+      .def("read_stream",
+           [](PagedState& s, int32_t slot, int stream) {
+             at::Tensor out = at::empty({s.stream_bytes(slot, stream)}, at::kByte);
+             s.read_stream(slot, stream, out.data_ptr());
+             return out;
+           },
+           py::arg("slot"), py::arg("stream"),
+           "The raw bytes of one state stream of one parameter, in element order.")
+      .def("write_stream",
+           [](PagedState& s, int32_t slot, int stream, const at::Tensor& bytes) {
+             const int64_t expected = s.stream_bytes(slot, stream);
+             TORCH_CHECK_VALUE(bytes.device().is_cpu() && bytes.scalar_type() == at::kByte &&
+                                   bytes.is_contiguous() && bytes.numel() == expected,
+                               "bytes for stream ", stream, " of slot ", slot,
+                               " must be a contiguous uint8 cpu tensor of ", expected,
+                               " elements");
+             s.write_stream(slot, stream, bytes.data_ptr());
+           },
+           py::arg("slot"), py::arg("stream"), py::arg("bytes"))
+      .def("memory_usage",
+           [](const PagedState& s) {
+             const optim::MemoryUsage u = s.memory_usage();
+             py::dict d;
+             d["state_bytes"] = u.state_bytes;
+             d["resident_bytes"] = u.resident_bytes;
+             d["payload_bytes"] = u.payload_bytes;
+             d["num_pages"] = u.num_pages;
+             d["num_params"] = u.num_params;
+             return d;
+           })
+      .def_property_readonly("num_params", [](const PagedState& s) { return s.table().num_params(); })
+      .def_property_readonly("page_bytes",
+                             [](const PagedState& s) { return s.table().geometry().page_bytes(); })
+      .def_property_readonly("page_capacity",
+                             [](const PagedState& s) {
+                               return s.table().geometry().capacity_elements();
+                             })
+      .def_property_readonly("stream_names", [](const PagedState& s) {
+        std::vector<std::string> names;
+        for (const auto& spec : s.table().geometry().streams()) names.push_back(spec.name);
+        return names;
+      });
+}
+
+}  // namespace pagedoptim::bindings

@@ -1,0 +1,57 @@
+// Where page bytes live, and the pin/unpin protocol the step driver uses to reach them.
+//
+// The driver pins each page of its plan before the kernel touches it and unpins it after,
+// saying whether the kernel wrote it. A store may move unpinned pages anywhere (a host
+// cache, an NVMe file) but must hand back exactly the bytes last written. New pages start
+// zero-filled: zero is the initial value of every state stream.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace pagedoptim::paging {
+
+class PageStore {
+ public:
+  virtual ~PageStore() = default;
+
+  // Extends the store to `num_pages` pages of `page_bytes` each, zero-filled.
+  virtual void grow(int32_t num_pages) = 0;
+  // The plan of the coming step, in the order pages will be pinned: a store that moves
+  // pages can prefetch and choose victims from it. The host store ignores it.
+  virtual void plan(const std::vector<int32_t>& pages) { (void)pages; }
+  // Makes `page` resident and returns its bytes; they stay valid until the matching unpin.
+  virtual std::byte* pin(int32_t page) = 0;
+  virtual void unpin(int32_t page, bool dirty) = 0;
+
+  virtual int32_t num_pages() const = 0;
+  virtual int64_t page_bytes() const = 0;
+  // Bytes of page memory held on the compute device / in host memory right now.
+  virtual int64_t resident_bytes() const = 0;
+};
+
+// Every page resident in host memory, 4 KiB aligned (the tier of issue 2; the page cache
+// and the NVMe tier build on the same protocol).
+class HostPageStore final : public PageStore {
+ public:
+  explicit HostPageStore(int64_t page_bytes);
+
+  void grow(int32_t num_pages) override;
+  std::byte* pin(int32_t page) override;
+  void unpin(int32_t page, bool dirty) override;
+  int32_t num_pages() const override { return int32_t(pages_.size()); }
+  int64_t page_bytes() const override { return page_bytes_; }
+  int64_t resident_bytes() const override { return page_bytes_ * num_pages(); }
+
+ private:
+  struct AlignedFree {
+    void operator()(std::byte* p) const;
+  };
+  int64_t page_bytes_;
+  std::vector<std::unique_ptr<std::byte, AlignedFree>> pages_;
+  std::vector<int32_t> pin_counts_;
+};
+
+}  // namespace pagedoptim::paging

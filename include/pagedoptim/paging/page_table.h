@@ -1,0 +1,70 @@
+// The page table: which element ranges of which parameters each page holds.
+//
+// Parameters are registered once, on their first step, and laid out in registration order.
+// A parameter larger than a page is cut into full pages; what is left of it, and every
+// parameter smaller than a page, is packed into the currently open page when it fits, so a
+// LoRA adapter's many small tensors share pages instead of each wasting most of one.
+// Segments start on a group boundary so quantization groups never straddle parameters.
+//
+// Residency (which tier holds a page, dirty bits, pins) is the page store's business, not
+// this table's: the table is pure layout and never changes once a page is written.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "pagedoptim/paging/page_geometry.h"
+
+namespace pagedoptim::paging {
+
+struct Segment {
+  int32_t param;         // parameter slot
+  int64_t param_offset;  // first element of the parameter held here
+  int64_t count;         // elements
+  int64_t page_offset;   // element index inside the page (a multiple of kGroupSize)
+};
+
+struct Page {
+  std::vector<Segment> segments;
+  int64_t used_groups = 0;
+};
+
+struct PagePiece {
+  int32_t page;
+  int32_t segment;  // index into Page::segments
+};
+
+struct ParamLayout {
+  int64_t numel = 0;
+  std::vector<PagePiece> pieces;  // in element order
+};
+
+class PageTable {
+ public:
+  explicit PageTable(PageGeometry geometry);
+
+  // Lays out a new parameter of `numel` elements and returns its slot. Pages it opens are
+  // appended; the caller (the store) must then provide memory for pages [old num_pages(),
+  // num_pages()).
+  int32_t add_param(int64_t numel);
+
+  const PageGeometry& geometry() const { return geometry_; }
+  int32_t num_pages() const { return int32_t(pages_.size()); }
+  int32_t num_params() const { return int32_t(params_.size()); }
+  const Page& page(int32_t id) const { return pages_[size_t(id)]; }
+  const ParamLayout& param(int32_t slot) const { return params_[size_t(slot)]; }
+  const Segment& segment(const PagePiece& piece) const {
+    return pages_[size_t(piece.page)].segments[size_t(piece.segment)];
+  }
+
+ private:
+  void place(int32_t slot, int64_t param_offset, int64_t count, int32_t page_id);
+  int32_t open_new_page_unshared();
+
+  PageGeometry geometry_;
+  std::vector<Page> pages_;
+  std::vector<ParamLayout> params_;
+  int32_t open_page_ = -1;  // the page small parameters are packed into, -1 before any
+};
+
+}  // namespace pagedoptim::paging

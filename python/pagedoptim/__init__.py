@@ -1,0 +1,9 @@
+"""PagedOptim: drop-in PyTorch optimizers with compressed, paged optimizer state."""
+
+from pagedoptim.adamw import AdamW
+from pagedoptim.lion import Lion
+from pagedoptim.optimizer import PagedOptimizer
+from pagedoptim.sgd import SGD
+
+__all__ = ["AdamW", "Lion", "PagedOptimizer", "SGD"]
+__version__ = "0.1.0"

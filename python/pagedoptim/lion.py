@@ -1,0 +1,63 @@
+"""pagedoptim.Lion: the Lion optimizer (Chen et al., 2023) over paged state."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional, Union
+
+import torch
+
+from pagedoptim._validation import check_betas, check_non_negative
+from pagedoptim.optimizer import PagedOptimizer
+from pagedoptim.options import PagingOptions
+
+
+class Lion(PagedOptimizer):
+    """Lion: sign of an interpolated momentum, one state per parameter.
+
+    p <- p * (1 - lr*wd) - lr * sign(beta1*m + (1-beta1)*g);  m <- beta2*m + (1-beta2)*g
+    """
+
+    _kind = "lion"
+    _possible_streams = ("exp_avg",)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: Union[float, torch.Tensor] = 1e-4,
+        betas: tuple[Union[float, torch.Tensor], Union[float, torch.Tensor]] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        maximize: bool = False,
+        *,
+        state_bits: int = 32,
+        master_bits: Optional[int] = None,
+        offload: Optional[str] = None,
+        nvme_dir: Optional[str] = None,
+        cache_bytes: Optional[int] = None,
+        page_bytes: int = 2 << 20,
+        prefetch: int = 4,
+        policy: str = "auto",
+        release_grads: bool = False,
+    ) -> None:
+        defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize)
+        self._check_group(defaults)
+        options = PagingOptions(state_bits=state_bits, master_bits=master_bits,
+                                offload=offload, nvme_dir=nvme_dir, cache_bytes=cache_bytes,
+                                page_bytes=page_bytes, prefetch=prefetch, policy=policy,
+                                release_grads=release_grads)
+        super().__init__(params, defaults, options)
+
+    @staticmethod
+    def _check_group(group: dict[str, Any]) -> tuple:
+        lr = check_non_negative(group["lr"], "lr")
+        beta1, beta2 = check_betas(group["betas"])
+        weight_decay = check_non_negative(group["weight_decay"], "weight_decay")
+        return (lr, beta1, beta2, weight_decay, bool(group.get("maximize", False)))
+
+    def _group_hyperparameters(self, group: dict[str, Any]) -> tuple:
+        return self._check_group(group)
+
+    def _stream_names(self) -> list[str]:
+        return ["exp_avg"]
+
+    def _native_step(self, *args: Any) -> None:
+        self._engine.step_lion(*args)

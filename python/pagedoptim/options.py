@@ -1,0 +1,76 @@
+"""The PagedOptim keyword arguments shared by every optimizer (state format and paging).
+
+They are per optimizer, not per parameter group: the page layout is one for the whole
+optimizer, and they must survive loading a torch.optim state_dict (whose groups carry
+only torch's keys).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+from pagedoptim._validation import check_non_negative
+
+_PAGE_ALIGNMENT = 4096
+_POLICIES = ("auto", "lru", "plan")
+_OFFLOAD_TIERS = (None, "host", "nvme")
+
+
+def _not_yet(argument: str, value: object, what: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{argument}={value!r} ({what}) is not implemented in this version of pagedoptim; "
+        f"leave {argument} at its default")
+
+
+@dataclasses.dataclass(frozen=True)
+class PagingOptions:
+    state_bits: int = 32
+    master_bits: Optional[int] = None
+    offload: Optional[str] = None
+    nvme_dir: Optional[str] = None
+    cache_bytes: Optional[int] = None
+    page_bytes: int = 2 << 20
+    prefetch: int = 4
+    policy: str = "auto"
+    release_grads: bool = False
+
+    def __post_init__(self) -> None:
+        if self.state_bits not in (8, 32):
+            raise ValueError(f"Invalid state_bits: {self.state_bits!r} (expected 32 or 8)")
+        if self.state_bits == 8:
+            raise _not_yet("state_bits", 8, "companded 8-bit state")
+        if self.master_bits not in (None, 24, 32):
+            raise ValueError(f"Invalid master_bits: {self.master_bits!r} "
+                             "(expected None, 24 or 32)")
+        if self.master_bits is not None:
+            raise _not_yet("master_bits", self.master_bits, "split master weights")
+        if self.offload not in _OFFLOAD_TIERS:
+            raise ValueError(f"Invalid offload: {self.offload!r} (expected None, 'host' or 'nvme')")
+        if self.offload is not None:
+            raise _not_yet("offload", self.offload, "paging to host memory or NVMe")
+        if self.nvme_dir is not None:
+            if not isinstance(self.nvme_dir, (str, os.PathLike)):
+                raise TypeError(f"nvme_dir must be a path, got {type(self.nvme_dir).__name__}")
+            raise _not_yet("nvme_dir", self.nvme_dir, "the NVMe tier")
+        if self.cache_bytes is not None:
+            check_non_negative(self.cache_bytes, "cache_bytes")
+            raise _not_yet("cache_bytes", self.cache_bytes, "a page cache budget")
+        if (isinstance(self.page_bytes, bool) or not isinstance(self.page_bytes, int)
+                or self.page_bytes <= 0 or self.page_bytes % _PAGE_ALIGNMENT):
+            raise ValueError(f"Invalid page_bytes: {self.page_bytes!r} "
+                             f"(expected a positive multiple of {_PAGE_ALIGNMENT})")
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) \
+                or self.prefetch < 0:
+            raise ValueError(f"Invalid prefetch: {self.prefetch!r} (expected an int >= 0)")
+        if self.prefetch != 4:
+            raise _not_yet("prefetch", self.prefetch, "asynchronous prefetch")
+        if self.policy not in _POLICIES:
+            raise ValueError(f"Invalid policy: {self.policy!r} (expected one of {_POLICIES})")
+        if self.policy != "auto":
+            raise _not_yet("policy", self.policy, "page eviction policies")
+        if not isinstance(self.release_grads, bool):
+            raise TypeError(f"release_grads must be a bool, got {type(self.release_grads).__name__}")
+        if self.release_grads:
+            raise _not_yet("release_grads", True, "gradient release")

@@ -1,0 +1,79 @@
+"""pagedoptim.SGD: torch.optim.SGD's algorithm over paged state."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional, Union
+
+import torch
+
+from pagedoptim._validation import check_non_negative
+from pagedoptim.optimizer import PagedOptimizer
+from pagedoptim.options import PagingOptions
+
+
+class SGD(PagedOptimizer):
+    """Stochastic gradient descent with momentum, dampening, Nesterov and weight decay, a
+    drop-in for torch.optim.SGD. With momentum=0 it keeps no state at all."""
+
+    _kind = "sgd"
+    _possible_streams = ("momentum_buffer",)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: Union[float, torch.Tensor] = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        maximize: bool = False,
+        *,
+        state_bits: int = 32,
+        master_bits: Optional[int] = None,
+        offload: Optional[str] = None,
+        nvme_dir: Optional[str] = None,
+        cache_bytes: Optional[int] = None,
+        page_bytes: int = 2 << 20,
+        prefetch: int = 4,
+        policy: str = "auto",
+        release_grads: bool = False,
+    ) -> None:
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
+                        weight_decay=weight_decay, nesterov=nesterov, maximize=maximize)
+        self._check_group(defaults)
+        options = PagingOptions(state_bits=state_bits, master_bits=master_bits,
+                                offload=offload, nvme_dir=nvme_dir, cache_bytes=cache_bytes,
+                                page_bytes=page_bytes, prefetch=prefetch, policy=policy,
+                                release_grads=release_grads)
+        super().__init__(params, defaults, options)
+
+    @staticmethod
+    def _check_group(group: dict[str, Any]) -> tuple:
+        lr = check_non_negative(group["lr"], "lr")
+        momentum = check_non_negative(group["momentum"], "momentum")
+        dampening = check_non_negative(group["dampening"], "dampening")
+        weight_decay = check_non_negative(group["weight_decay"], "weight_decay")
+        nesterov = bool(group["nesterov"])
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening "
+                             f"(got momentum={momentum}, dampening={dampening})")
+        return (lr, momentum, dampening, weight_decay, nesterov,
+                bool(group.get("maximize", False)))
+
+    def _group_hyperparameters(self, group: dict[str, Any]) -> tuple:
+        return self._check_group(group)
+
+    def _stream_names(self) -> list[str]:
+        if any(float(group["momentum"]) != 0.0 for group in self.param_groups):
+            return ["momentum_buffer"]
+        return []
+
+    def _native_step(self, *args: Any) -> None:
+        self._ensure_engine().step_sgd(*args)
+
+    def _default_step(self, p: torch.Tensor, streams: dict[int, dict[str, torch.Tensor]]
+                      ) -> float:
+        # torch.optim.SGD keeps no step; a parameter that has a momentum buffer has been
+        # stepped, so its buffer must not be re-initialized from the next gradient.
+        index = next(i for i, q in enumerate(self._indexed_params()) if q is p)
+        return 1.0 if index in streams else 0.0

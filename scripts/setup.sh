@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Installs everything PagedOptim needs on a fresh Debian/Ubuntu machine and builds it in
+# place. Idempotent: each step is skipped when its result is already there, and the CMake
+# build directory (build/) plus ccache make a rebuild incremental.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+
+need_apt=()
+for pkg in build-essential cmake ninja-build ccache liburing-dev libgtest-dev pkg-config; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
+done
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "setup: installing ${need_apt[*]}"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+# A user's own torch (a CUDA build, say) is built against and never replaced.
+if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
+  echo "setup: no torch found, installing torch==2.13.0"
+  "$PYTHON" -m pip install -q torch==2.13.0
+fi
+"$PYTHON" -m pip install -q -r requirements-dev.txt
+
+# Rebuild only when a source changed since the last build (the stamp is in build/).
+stamp=build/.pagedoptim-installed
+if [ ! -f "$stamp" ] || [ -n "$(find CMakeLists.txt setup.py csrc include python -newer "$stamp" \
+        \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.txt' -o -name '*.py' \) \
+        -print -quit)" ] || ! "$PYTHON" -c "import pagedoptim._C" >/dev/null 2>&1; then
+  echo "setup: building pagedoptim"
+  "$PYTHON" -m pip install -q --no-build-isolation --no-deps -e .
+  mkdir -p build && touch "$stamp"
+fi

@@ -1,0 +1,107 @@
+// Page geometry and page table layout: alignment, capacity, packing of small parameters,
+// splitting of large ones, and the segment bookkeeping the driver relies on.
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <stdexcept>
+
+#include "pagedoptim/common.h"
+#include "pagedoptim/paging/page_store.h"
+#include "pagedoptim/paging/page_table.h"
+
+namespace pagedoptim::paging {
+namespace {
+
+PageGeometry adamw_geometry(int64_t page_bytes) {
+  return PageGeometry({{"exp_avg", 128}, {"exp_avg_sq", 128}}, page_bytes);
+}
+
+TEST(PageGeometry, StreamsAreAlignedAndFitThePage) {
+  const PageGeometry g({{"codes", 32}, {"scales", 2, true}, {"v", 32}}, 8192);
+  ASSERT_EQ(g.num_streams(), 3);
+  for (int s = 0; s < g.num_streams(); ++s) EXPECT_EQ(g.stream_offset(s) % kStreamAlignment, 0);
+  const int64_t end = g.stream_offset(2) + 32 * g.capacity_groups();
+  EXPECT_LE(end, 8192);
+  // One more group would not fit: the capacity is the largest that does.
+  const int64_t scales_end = g.stream_offset(1) + 2 * (g.capacity_groups() + 1);
+  const int64_t v_start = (scales_end + kStreamAlignment - 1) / kStreamAlignment * kStreamAlignment;
+  EXPECT_GT(v_start + 32 * (g.capacity_groups() + 1), 8192);
+}
+
+TEST(PageGeometry, RejectsBadPageSizes) {
+  EXPECT_THROW(adamw_geometry(0), std::invalid_argument);
+  EXPECT_THROW(adamw_geometry(4096 + 1), std::invalid_argument);
+  EXPECT_THROW(PageGeometry({{"huge", 128 * 4096}}, 4096), std::invalid_argument);
+  EXPECT_THROW(PageGeometry({{"odd", 33}}, 4096), std::invalid_argument);
+}
+
+TEST(PageGeometry, StreamByteCounts) {
+  const StreamSpec fp32{"m", 128};
+  const StreamSpec scale{"s", 2, true};
+  EXPECT_EQ(fp32.bytes_for(33), 33 * 4);
+  EXPECT_EQ(scale.bytes_for(33), 2 * 2);
+  EXPECT_EQ(fp32.offset_of(64), 256);
+  EXPECT_EQ(scale.offset_of(64), 4);
+}
+
+TEST(PageTable, PacksSmallParamsIntoSharedPages) {
+  PageTable table(adamw_geometry(4096));  // 2 fp32 streams: 16 groups = 512 elements a page
+  ASSERT_EQ(table.geometry().capacity_elements(), 512);
+  const int32_t a = table.add_param(100);  // 4 groups
+  const int32_t b = table.add_param(33);   // 2 groups
+  const int32_t c = table.add_param(1);    // 1 group
+  EXPECT_EQ(table.num_pages(), 1);
+  EXPECT_EQ(table.segment(table.param(a).pieces[0]).page_offset, 0);
+  EXPECT_EQ(table.segment(table.param(b).pieces[0]).page_offset, 128);
+  EXPECT_EQ(table.segment(table.param(c).pieces[0]).page_offset, 192);
+  EXPECT_EQ(table.page(0).used_groups, 7);
+}
+
+TEST(PageTable, SplitsLargeParamsAndPacksTheirRemainder) {
+  PageTable table(adamw_geometry(4096));
+  table.add_param(10);                       // opens page 0
+  const int32_t big = table.add_param(1100);  // 2 full pages + 76 elements packed into page 0
+  const ParamLayout& layout = table.param(big);
+  ASSERT_EQ(layout.pieces.size(), 3u);
+  int64_t covered = 0;
+  for (const PagePiece& piece : layout.pieces) {
+    const Segment& s = table.segment(piece);
+    EXPECT_EQ(s.param_offset, covered);  // element order
+    EXPECT_EQ(s.page_offset % kGroupSize, 0);
+    covered += s.count;
+  }
+  EXPECT_EQ(covered, 1100);
+  EXPECT_EQ(layout.pieces[2].page, 0);
+  EXPECT_EQ(table.num_pages(), 3);
+}
+
+TEST(PageTable, NoSegmentOverlapsAnother) {
+  PageTable table(adamw_geometry(8192));
+  const int64_t sizes[] = {1, 31, 32, 33, 1000, 1024, 5000, 0, 7, 64, 2049};
+  for (int64_t n : sizes) table.add_param(n);
+  for (int32_t p = 0; p < table.num_pages(); ++p) {
+    int64_t next_free = 0;
+    for (const Segment& s : table.page(p).segments) {
+      EXPECT_GE(s.page_offset, next_free);
+      next_free = s.page_offset + (s.count + kGroupSize - 1) / kGroupSize * kGroupSize;
+      EXPECT_LE(next_free, table.geometry().capacity_elements());
+    }
+  }
+}
+
+TEST(HostPageStore, PagesAreAlignedZeroedAndPinCounted) {
+  HostPageStore store(8192);
+  store.grow(3);
+  for (int32_t p = 0; p < 3; ++p) {
+    std::byte* bytes = store.pin(p);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(bytes) % kPageAlignment, 0u);
+    for (int i = 0; i < 8192; ++i) ASSERT_EQ(bytes[i], std::byte{0});
+    store.unpin(p, false);
+  }
+  EXPECT_THROW(store.unpin(0, false), std::logic_error);
+  EXPECT_THROW(store.pin(3), std::out_of_range);
+  EXPECT_EQ(store.resident_bytes(), 3 * 8192);
+}
+
+}  // namespace
+}  // namespace pagedoptim::paging
