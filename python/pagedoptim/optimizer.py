@@ -35,6 +35,10 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._engine: Any = None
         self._slots: dict[torch.Tensor, int] = {}
         self._device: Optional[torch.device] = None
+        if isinstance(params, (set, frozenset)):
+            raise TypeError("params must be an ordered collection (a list, a generator, "
+                            "named_parameters()), not a set: a set's order changes between "
+                            "runs, and the state_dict maps state to params by position")
         super().__init__(params, defaults)
 
     # -- what each optimizer provides ------------------------------------------------------
@@ -243,6 +247,11 @@ class PagedOptimizer(torch.optim.Optimizer):
                 "_saved_streams": self._gather_streams()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "_options" not in state:
+            # torch's load_state_dict ends with __setstate__({'state', 'param_groups'});
+            # load_state_dict itself then rebuilds the engine.
+            super().__setstate__(state)
+            return
         state = dict(state)
         options = state.pop("_options")
         saved_streams = state.pop("_saved_streams")
