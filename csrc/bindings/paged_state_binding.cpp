@@ -16,6 +16,7 @@ namespace pagedoptim::bindings {
 namespace {
 
 using optim::OptimizerKind;
+using StreamTuple = std::tuple<std::string, int64_t, bool>;
 
 OptimizerKind parse_kind(const std::string& kind) {
   if (kind == "adamw") return OptimizerKind::kAdamW;
@@ -130,22 +131,25 @@ void bind_paged_state(pybind11::module_& m) {
   using optim::PagedState;
   py::class_<PagedState>(m, "PagedState",
                          "Paged optimizer state of one optimizer: page table, store, driver.")
-      .def(py::init([](const std::string& kind,
-                       const std::vector<std::tuple<std::string, int64_t, bool>>& streams,
+      .def(py::init([](const std::string& kind, const std::vector<std::vector<StreamTuple>>& kinds,
                        int64_t page_bytes) {
              TORCH_CHECK_VALUE(page_bytes > 0 && page_bytes % 4096 == 0,
                                "page_bytes must be a positive multiple of 4096, got ",
                                page_bytes);
-             std::vector<paging::StreamSpec> specs;
-             for (const auto& [name, bytes_per_group, per_group] : streams) {
-               specs.push_back(paging::StreamSpec{name, bytes_per_group, per_group});
+             std::vector<std::vector<paging::StreamSpec>> specs;
+             for (const auto& streams : kinds) {
+               specs.emplace_back();
+               for (const auto& [name, bytes_per_group, per_group] : streams) {
+                 specs.back().push_back(paging::StreamSpec{name, bytes_per_group, per_group});
+               }
              }
              return std::make_unique<PagedState>(
                  parse_kind(kind), std::move(specs),
                  std::make_unique<paging::HostPageStore>(page_bytes));
            }),
-           py::arg("kind"), py::arg("streams"), py::arg("page_bytes"))
-      .def("register_param", &PagedState::register_param, py::arg("numel"))
+           py::arg("kind"), py::arg("kinds"), py::arg("page_bytes"),
+           "kinds: per parameter kind, its streams as (name, bytes per group of 32, per_group)")
+      .def("register_param", &PagedState::register_param, py::arg("numel"), py::arg("kind") = 0)
       .def("step_adamw",
            [](PagedState& s, const std::vector<at::Tensor>& params,
               const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& steps,
@@ -171,7 +175,7 @@ void bind_paged_state(pybind11::module_& m) {
                       &PagedState::step_lion);
            })
       .def("read_stream",
-           [](PagedState& s, int32_t slot, int stream) {
+           [](PagedState& s, int32_t slot, const std::string& stream) {
              at::Tensor out = at::empty({s.stream_bytes(slot, stream)}, at::kByte);
              s.read_stream(slot, stream, out.data_ptr());
              return out;
@@ -179,7 +183,7 @@ void bind_paged_state(pybind11::module_& m) {
            py::arg("slot"), py::arg("stream"),
            "The raw bytes of one state stream of one parameter, in element order.")
       .def("write_stream",
-           [](PagedState& s, int32_t slot, int stream, const at::Tensor& bytes) {
+           [](PagedState& s, int32_t slot, const std::string& stream, const at::Tensor& bytes) {
              const int64_t expected = s.stream_bytes(slot, stream);
              TORCH_CHECK_VALUE(bytes.device().is_cpu() && bytes.scalar_type() == at::kByte &&
                                    bytes.is_contiguous() && bytes.numel() == expected,
@@ -189,6 +193,8 @@ void bind_paged_state(pybind11::module_& m) {
              s.write_stream(slot, stream, bytes.data_ptr());
            },
            py::arg("slot"), py::arg("stream"), py::arg("bytes"))
+      .def("stream_bytes", &PagedState::stream_bytes, py::arg("slot"), py::arg("stream"),
+           "Bytes the stream of the parameter in `slot` holds (its payload, no padding).")
       .def("memory_usage",
            [](const PagedState& s) {
              const optim::MemoryUsage u = s.memory_usage();
@@ -202,16 +208,19 @@ void bind_paged_state(pybind11::module_& m) {
            })
       .def_property_readonly("num_params", [](const PagedState& s) { return s.table().num_params(); })
       .def_property_readonly("page_bytes",
-                             [](const PagedState& s) { return s.table().geometry().page_bytes(); })
-      .def_property_readonly("page_capacity",
-                             [](const PagedState& s) {
-                               return s.table().geometry().capacity_elements();
-                             })
-      .def_property_readonly("stream_names", [](const PagedState& s) {
-        std::vector<std::string> names;
-        for (const auto& spec : s.table().geometry().streams()) names.push_back(spec.name);
-        return names;
-      });
+                             [](const PagedState& s) { return s.table().page_bytes(); })
+      .def("stream_names",
+           [](const PagedState& s, int32_t slot) {
+             TORCH_CHECK_INDEX(slot >= 0 && slot < s.table().num_params(), "slot ", slot,
+                               " is not registered");
+             std::vector<std::string> names;
+             for (const auto& spec : s.table().geometry(s.table().param(slot).kind).streams()) {
+               names.push_back(spec.name);
+             }
+             return names;
+           },
+           py::arg("slot"), "Names of the state streams of the parameter in `slot`.")
+      .def_property_readonly("stateless", &PagedState::stateless);
 }
 
 }  // namespace pagedoptim::bindings

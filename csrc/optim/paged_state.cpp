@@ -30,20 +30,104 @@ struct WorkItem {
 
 }  // namespace
 
-PagedState::PagedState(OptimizerKind kind, std::vector<paging::StreamSpec> streams,
+namespace {
+
+std::vector<paging::PageGeometry> make_geometries(
+    std::vector<std::vector<paging::StreamSpec>> kinds, int64_t page_bytes) {
+  if (kinds.empty()) kinds.emplace_back();
+  std::vector<paging::PageGeometry> geometries;
+  for (auto& streams : kinds) geometries.emplace_back(std::move(streams), page_bytes);
+  return geometries;
+}
+
+KindStreams resolve_streams(const paging::PageGeometry& geometry, OptimizerKind kind) {
+  auto moment = [&](const std::string& name) {
+    KindStreams::Moment m;
+    m.values = geometry.find_stream(name);
+    if (m.values < 0) {
+      m.values = geometry.find_stream(name + "_codes");
+      m.scales = geometry.find_stream(name + "_scales");
+      if ((m.values < 0) != (m.scales < 0)) {
+        throw std::invalid_argument("stream " + name + "_codes needs " + name +
+                                    "_scales and the reverse");
+      }
+    }
+    return m;
+  };
+  KindStreams k;
+  if (kind == OptimizerKind::kAdamW) {
+    k.m = moment("exp_avg");
+    k.v = moment("exp_avg_sq");
+    k.v_max = moment("max_exp_avg_sq");
+    if (geometry.num_streams() > 0 && (k.m.values < 0 || k.v.values < 0)) {
+      throw std::invalid_argument("AdamW state needs exp_avg and exp_avg_sq streams");
+    }
+    if ((k.m.scales < 0) != (k.v.scales < 0) ||
+        (k.v_max.values >= 0 && (k.v_max.scales < 0) != (k.m.scales < 0))) {
+      throw std::invalid_argument("AdamW moments must all be fp32 or all be companded");
+    }
+  } else {
+    k.m = moment(kind == OptimizerKind::kSGD ? "momentum_buffer" : "exp_avg");
+    if (kind == OptimizerKind::kLion && geometry.num_streams() > 0 && k.m.values < 0) {
+      throw std::invalid_argument("Lion state needs an exp_avg stream");
+    }
+  }
+  k.residual = geometry.find_stream("master_residual");
+  if (k.residual >= 0) {
+    const int64_t bytes_per_group = geometry.streams()[size_t(k.residual)].bytes_per_group;
+    if (bytes_per_group != kGroupSize && bytes_per_group != 2 * kGroupSize) {
+      throw std::invalid_argument("master_residual must be int8 or int16");
+    }
+    k.residual_bits = int(bytes_per_group / kGroupSize) * 8;
+  }
+  return k;
+}
+
+}  // namespace
+
+PagedState::PagedState(OptimizerKind kind, std::vector<std::vector<paging::StreamSpec>> kinds,
                        std::unique_ptr<paging::PageStore> store)
     : kind_(kind),
-      table_(paging::PageGeometry(std::move(streams), store->page_bytes())),
-      store_(std::move(store)) {}
+      stateless_(std::all_of(kinds.begin(), kinds.end(),
+                             [](const auto& streams) { return streams.empty(); })),
+      table_(make_geometries(std::move(kinds), store->page_bytes())),
+      store_(std::move(store)) {
+  for (int k = 0; k < table_.num_kinds(); ++k) {
+    kind_streams_.push_back(resolve_streams(table_.geometry(k), kind_));
+  }
+}
 
-int32_t PagedState::register_param(int64_t numel) {
-  if (table_.geometry().num_streams() == 0) {
-    // Stateless (plain SGD): slots exist so callers need no special case, pages do not.
+int32_t PagedState::register_param(int64_t numel, int kind) {
+  if (stateless_) {
     throw std::logic_error("this optimizer keeps no state; nothing to register");
   }
-  const int32_t slot = table_.add_param(numel);
+  const int32_t slot = table_.add_param(numel, kind);
   store_->grow(table_.num_pages());
   return slot;
+}
+
+void* PagedState::stream_ptr(int kind, int stream, std::byte* page,
+                             const paging::Segment& segment, int64_t begin) const {
+  if (stream < 0) return nullptr;
+  const paging::PageGeometry& geometry = table_.geometry(kind);
+  return page + geometry.stream_offset(stream) +
+         geometry.streams()[size_t(stream)].offset_of(segment.page_offset + begin);
+}
+
+kernels::MomentStream PagedState::moment_ptr(int kind, const KindStreams::Moment& moment,
+                                             std::byte* page, const paging::Segment& segment,
+                                             int64_t begin) const {
+  return kernels::MomentStream{
+      stream_ptr(kind, moment.values, page, segment, begin),
+      static_cast<uint16_t*>(stream_ptr(kind, moment.scales, page, segment, begin))};
+}
+
+kernels::MasterResidual PagedState::residual_ptr(int kind, std::byte* page,
+                                                 const paging::Segment& segment,
+                                                 int64_t begin) const {
+  const KindStreams& k = kind_streams_[size_t(kind)];
+  return kernels::MasterResidual{stream_ptr(kind, k.residual, page, segment, begin),
+                                 k.residual_bits};
 }
 
 void PagedState::check_param(const ParamStep& param, size_t num_groups) const {
@@ -51,14 +135,20 @@ void PagedState::check_param(const ParamStep& param, size_t num_groups) const {
     throw std::out_of_range("group index " + std::to_string(param.group) + " out of range");
   }
   if (param.step == nullptr) throw std::invalid_argument("step counter must not be null");
-  if (table_.geometry().num_streams() == 0) return;
+  if (stateless_) return;
   if (param.slot < 0 || param.slot >= table_.num_params()) {
     throw std::out_of_range("parameter slot " + std::to_string(param.slot) + " is not registered");
   }
-  if (table_.param(param.slot).numel != param.span.count) {
+  const paging::ParamLayout& layout = table_.param(param.slot);
+  if (layout.numel != param.span.count) {
     throw std::invalid_argument("parameter in slot " + std::to_string(param.slot) + " has " +
                                 std::to_string(param.span.count) + " elements, its state has " +
-                                std::to_string(table_.param(param.slot).numel));
+                                std::to_string(layout.numel));
+  }
+  const KindStreams& k = kind_streams_[size_t(layout.kind)];
+  if (k.residual >= 0 && param.span.type == kernels::ElementType::kFloat32) {
+    throw std::invalid_argument("parameter in slot " + std::to_string(param.slot) +
+                                " is float32 but its state kind carries a master residual");
   }
 }
 
@@ -66,7 +156,9 @@ template <class Apply>
 void PagedState::for_each_chunk(const std::vector<ParamStep>& params,
                                 const ParallelFor& parallel_for, const Apply& apply) {
   // The plan: every page that holds a segment of a parameter stepped now, in page order
-  // (which is registration order, so consecutive parameters share pages and cache lines).
+  // (registration order, so consecutive parameters share pages and cache lines). Every
+  // other step walks it backwards: the pages used last in one step are the first ones
+  // needed in the next, so a store that cannot hold everything finds them still resident.
   std::vector<int32_t> plan;
   for (const ParamStep& param : params) {
     for (const paging::PagePiece& piece : table_.param(param.slot).pieces) {
@@ -75,6 +167,9 @@ void PagedState::for_each_chunk(const std::vector<ParamStep>& params,
   }
   std::sort(plan.begin(), plan.end());
   plan.erase(std::unique(plan.begin(), plan.end()), plan.end());
+  if (steps_taken_++ % 2 == 1) std::reverse(plan.begin(), plan.end());
+  std::vector<int32_t> position(size_t(table_.num_pages()), -1);
+  for (size_t i = 0; i < plan.size(); ++i) position[size_t(plan[i])] = int32_t(i);
   store_->plan(plan);
 
   std::vector<WorkItem> items;
@@ -87,29 +182,44 @@ void PagedState::for_each_chunk(const std::vector<ParamStep>& params,
       }
     }
   }
-  std::stable_sort(items.begin(), items.end(),
-                   [](const WorkItem& a, const WorkItem& b) { return a.page < b.page; });
-
-  // Pin the whole plan for the duration of the kernels; on failure unpin what was pinned,
-  // unchanged, so the store never sees a page marked written that was not.
-  std::vector<std::byte*> page_bytes(size_t(table_.num_pages()), nullptr);
-  size_t pinned = 0;
-  try {
-    for (; pinned < plan.size(); ++pinned) {
-      page_bytes[size_t(plan[pinned])] = store_->pin(plan[pinned]);
-    }
-  } catch (...) {
-    for (size_t i = 0; i < pinned; ++i) store_->unpin(plan[i], /*dirty=*/false);
-    throw;
-  }
-  parallel_for(int64_t(items.size()), [&](int64_t first, int64_t last) {
-    for (int64_t i = first; i < last; ++i) {
-      const WorkItem& item = items[size_t(i)];
-      apply(size_t(item.param), *item.segment, page_bytes[size_t(item.page)], item.begin,
-            item.count);
-    }
+  std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) {
+    return position[size_t(a.page)] < position[size_t(b.page)];
   });
-  for (int32_t page : plan) store_->unpin(page, /*dirty=*/true);
+
+  // Batches of as many pages as the store lets us pin at once (all of them for a store
+  // that holds everything): pin the batch, run its chunks in parallel, unpin it as written.
+  // A failed pin unpins the batch's pages unchanged, so the store never sees a page marked
+  // written that was not; batches before it stay applied.
+  const size_t batch_pages = size_t(std::max<int32_t>(1, store_->pin_limit()));
+  std::vector<std::byte*> page_bytes(size_t(table_.num_pages()), nullptr);
+  size_t next_item = 0;
+  for (size_t batch_begin = 0; batch_begin < plan.size(); batch_begin += batch_pages) {
+    const size_t batch_end = std::min(plan.size(), batch_begin + batch_pages);
+    size_t pinned = batch_begin;
+    try {
+      for (; pinned < batch_end; ++pinned) {
+        page_bytes[size_t(plan[pinned])] = store_->pin(plan[pinned]);
+      }
+    } catch (...) {
+      for (size_t i = batch_begin; i < pinned; ++i) store_->unpin(plan[i], /*dirty=*/false);
+      throw;
+    }
+    size_t items_end = next_item;
+    while (items_end < items.size() &&
+           size_t(position[size_t(items[items_end].page)]) < batch_end) {
+      ++items_end;
+    }
+    const size_t first_item = next_item;
+    parallel_for(int64_t(items_end - first_item), [&](int64_t first, int64_t last) {
+      for (int64_t i = first; i < last; ++i) {
+        const WorkItem& item = items[first_item + size_t(i)];
+        apply(size_t(item.param), *item.segment, page_bytes[size_t(item.page)], item.begin,
+              item.count);
+      }
+    });
+    next_item = items_end;
+    for (size_t i = batch_begin; i < batch_end; ++i) store_->unpin(plan[i], /*dirty=*/true);
+  }
 }
 
 namespace {
@@ -127,17 +237,16 @@ kernels::ParamSpan chunk_span(const kernels::ParamSpan& whole, const paging::Seg
 void PagedState::step_adamw(const std::vector<ParamStep>& params,
                             const std::vector<AdamWGroup>& groups,
                             const ParallelFor& parallel_for) {
-  const bool has_max_stream = table_.geometry().num_streams() >= 3;
-  std::vector<codec::AdamWScalars> scalars;
-  scalars.reserve(params.size());
   for (const ParamStep& param : params) {
     check_param(param, groups.size());
-    const AdamWGroup& g = groups[size_t(param.group)];
-    if (g.amsgrad && !has_max_stream) {
+    const KindStreams& k = kind_streams_[size_t(table_.param(param.slot).kind)];
+    if (groups[size_t(param.group)].amsgrad && k.v_max.values < 0) {
       throw std::invalid_argument(
           "amsgrad was turned on after the first step; the state has no max_exp_avg_sq");
     }
   }
+  std::vector<codec::AdamWScalars> scalars;
+  scalars.reserve(params.size());
   for (const ParamStep& param : params) {
     const AdamWGroup& g = groups[size_t(param.group)];
     *param.step += 1.0f;
@@ -148,29 +257,33 @@ void PagedState::step_adamw(const std::vector<ParamStep>& params,
   for_each_chunk(params, parallel_for,
                  [&](size_t p, const paging::Segment& segment, std::byte* page, int64_t begin,
                      int64_t count) {
-                   const bool amsgrad = groups[size_t(params[p].group)].amsgrad;
-                   kernel.adamw_fp32_state(
-                       chunk_span(params[p].span, segment, begin, count),
-                       stream_ptr<float>(0, page, segment, begin),
-                       stream_ptr<float>(1, page, segment, begin),
-                       amsgrad ? stream_ptr<float>(2, page, segment, begin) : nullptr,
-                       scalars[p]);
+                   const int kind = table_.param(params[p].slot).kind;
+                   const KindStreams& k = kind_streams_[size_t(kind)];
+                   kernels::AdamWStreams streams;
+                   streams.m = moment_ptr(kind, k.m, page, segment, begin);
+                   streams.v = moment_ptr(kind, k.v, page, segment, begin);
+                   if (groups[size_t(params[p].group)].amsgrad) {
+                     streams.v_max = moment_ptr(kind, k.v_max, page, segment, begin);
+                   }
+                   streams.residual = residual_ptr(kind, page, segment, begin);
+                   kernel.adamw(chunk_span(params[p].span, segment, begin, count), streams,
+                                scalars[p]);
                  });
 }
 
 void PagedState::step_sgd(const std::vector<ParamStep>& params,
                           const std::vector<SGDGroup>& groups,
                           const ParallelFor& parallel_for) {
-  std::vector<codec::SGDScalars> scalars;
-  scalars.reserve(params.size());
-  const bool has_buffer = table_.geometry().num_streams() >= 1;
   for (const ParamStep& param : params) {
     check_param(param, groups.size());
-    if (groups[size_t(param.group)].momentum != 0.0 && !has_buffer) {
+    if (groups[size_t(param.group)].momentum != 0.0 &&
+        (stateless_ || kind_streams_[size_t(table_.param(param.slot).kind)].m.values < 0)) {
       throw std::invalid_argument(
           "momentum was turned on after the first step; the state has no momentum_buffer");
     }
   }
+  std::vector<codec::SGDScalars> scalars;
+  scalars.reserve(params.size());
   for (const ParamStep& param : params) {
     const SGDGroup& g = groups[size_t(param.group)];
     const bool first_step = *param.step == 0.0f;
@@ -179,8 +292,8 @@ void PagedState::step_sgd(const std::vector<ParamStep>& params,
                                               g.nesterov, g.maximize, first_step));
   }
   const kernels::CpuKernelTable& kernel = kernels::cpu_kernels();
-  if (!has_buffer) {
-    // Stateless: no pages, so the chunks are cut from the parameters directly.
+  if (stateless_) {
+    // No pages: the chunks are cut from the parameters directly.
     std::vector<std::pair<size_t, int64_t>> items;
     for (size_t p = 0; p < params.size(); ++p) {
       for (int64_t begin = 0; begin < params[p].span.count; begin += kChunkElements) {
@@ -191,10 +304,9 @@ void PagedState::step_sgd(const std::vector<ParamStep>& params,
       for (int64_t i = first; i < last; ++i) {
         const auto [p, begin] = items[size_t(i)];
         const paging::Segment whole{params[p].slot, 0, params[p].span.count, 0};
-        kernel.sgd_fp32_state(
-            chunk_span(params[p].span, whole, begin,
-                       std::min(kChunkElements, params[p].span.count - begin)),
-            nullptr, scalars[p]);
+        kernel.sgd(chunk_span(params[p].span, whole, begin,
+                              std::min(kChunkElements, params[p].span.count - begin)),
+                   kernels::MomentumStreams{}, scalars[p]);
       }
     });
     return;
@@ -202,20 +314,24 @@ void PagedState::step_sgd(const std::vector<ParamStep>& params,
   for_each_chunk(params, parallel_for,
                  [&](size_t p, const paging::Segment& segment, std::byte* page, int64_t begin,
                      int64_t count) {
-                   const bool momentum = groups[size_t(params[p].group)].momentum != 0.0;
-                   kernel.sgd_fp32_state(
-                       chunk_span(params[p].span, segment, begin, count),
-                       momentum ? stream_ptr<float>(0, page, segment, begin) : nullptr,
-                       scalars[p]);
+                   const int kind = table_.param(params[p].slot).kind;
+                   kernels::MomentumStreams streams;
+                   if (groups[size_t(params[p].group)].momentum != 0.0) {
+                     streams.m = moment_ptr(kind, kind_streams_[size_t(kind)].m, page, segment,
+                                            begin);
+                   }
+                   streams.residual = residual_ptr(kind, page, segment, begin);
+                   kernel.sgd(chunk_span(params[p].span, segment, begin, count), streams,
+                              scalars[p]);
                  });
 }
 
 void PagedState::step_lion(const std::vector<ParamStep>& params,
                            const std::vector<LionGroup>& groups,
                            const ParallelFor& parallel_for) {
+  for (const ParamStep& param : params) check_param(param, groups.size());
   std::vector<codec::LionScalars> scalars;
   scalars.reserve(params.size());
-  for (const ParamStep& param : params) check_param(param, groups.size());
   for (const ParamStep& param : params) {
     const LionGroup& g = groups[size_t(param.group)];
     *param.step += 1.0f;
@@ -226,53 +342,64 @@ void PagedState::step_lion(const std::vector<ParamStep>& params,
   for_each_chunk(params, parallel_for,
                  [&](size_t p, const paging::Segment& segment, std::byte* page, int64_t begin,
                      int64_t count) {
-                   kernel.lion_fp32_state(chunk_span(params[p].span, segment, begin, count),
-                                          stream_ptr<float>(0, page, segment, begin),
-                                          scalars[p]);
+                   const int kind = table_.param(params[p].slot).kind;
+                   kernels::MomentumStreams streams;
+                   streams.m = moment_ptr(kind, kind_streams_[size_t(kind)].m, page, segment,
+                                          begin);
+                   streams.residual = residual_ptr(kind, page, segment, begin);
+                   kernel.lion(chunk_span(params[p].span, segment, begin, count), streams,
+                               scalars[p]);
                  });
 }
 
-int64_t PagedState::stream_bytes(int32_t slot, int stream) const {
+int PagedState::find_stream_of(int32_t slot, const std::string& stream) const {
   if (slot < 0 || slot >= table_.num_params()) {
     throw std::out_of_range("parameter slot " + std::to_string(slot) + " is not registered");
   }
-  if (stream < 0 || stream >= table_.geometry().num_streams()) {
-    throw std::out_of_range("stream " + std::to_string(stream) + " does not exist");
+  const int index = table_.geometry(table_.param(slot).kind).find_stream(stream);
+  if (index < 0) {
+    throw std::out_of_range("parameter slot " + std::to_string(slot) + " has no stream '" +
+                            stream + "'");
   }
-  const paging::StreamSpec& spec = table_.geometry().streams()[size_t(stream)];
+  return index;
+}
+
+int64_t PagedState::stream_bytes(int32_t slot, const std::string& stream) const {
+  const int index = find_stream_of(slot, stream);
+  const paging::ParamLayout& layout = table_.param(slot);
+  const paging::StreamSpec& spec = table_.geometry(layout.kind).streams()[size_t(index)];
   int64_t bytes = 0;
-  for (const paging::PagePiece& piece : table_.param(slot).pieces) {
+  for (const paging::PagePiece& piece : layout.pieces) {
     bytes += spec.bytes_for(table_.segment(piece).count);
   }
   return bytes;
 }
 
-void PagedState::read_stream(int32_t slot, int stream, void* out) {
-  stream_bytes(slot, stream);  // validates
-  const paging::StreamSpec& spec = table_.geometry().streams()[size_t(stream)];
+void PagedState::read_stream(int32_t slot, const std::string& stream, void* out) {
+  const int index = find_stream_of(slot, stream);
+  const int kind = table_.param(slot).kind;
+  const paging::StreamSpec& spec = table_.geometry(kind).streams()[size_t(index)];
   char* cursor = static_cast<char*>(out);
   for (const paging::PagePiece& piece : table_.param(slot).pieces) {
     const paging::Segment& segment = table_.segment(piece);
-    const std::byte* page = store_->pin(piece.page);
+    std::byte* page = store_->pin(piece.page);
     const int64_t bytes = spec.bytes_for(segment.count);
-    std::memcpy(cursor,
-                page + table_.geometry().stream_offset(stream) + spec.offset_of(segment.page_offset),
-                size_t(bytes));
+    std::memcpy(cursor, stream_ptr(kind, index, page, segment, 0), size_t(bytes));
     store_->unpin(piece.page, /*dirty=*/false);
     cursor += bytes;
   }
 }
 
-void PagedState::write_stream(int32_t slot, int stream, const void* in) {
-  stream_bytes(slot, stream);  // validates
-  const paging::StreamSpec& spec = table_.geometry().streams()[size_t(stream)];
+void PagedState::write_stream(int32_t slot, const std::string& stream, const void* in) {
+  const int index = find_stream_of(slot, stream);
+  const int kind = table_.param(slot).kind;
+  const paging::StreamSpec& spec = table_.geometry(kind).streams()[size_t(index)];
   const char* cursor = static_cast<const char*>(in);
   for (const paging::PagePiece& piece : table_.param(slot).pieces) {
     const paging::Segment& segment = table_.segment(piece);
     std::byte* page = store_->pin(piece.page);
     const int64_t bytes = spec.bytes_for(segment.count);
-    std::memcpy(page + table_.geometry().stream_offset(stream) + spec.offset_of(segment.page_offset),
-                cursor, size_t(bytes));
+    std::memcpy(stream_ptr(kind, index, page, segment, 0), cursor, size_t(bytes));
     store_->unpin(piece.page, /*dirty=*/true);
     cursor += bytes;
   }
@@ -285,8 +412,8 @@ MemoryUsage PagedState::memory_usage() const {
   usage.state_bytes = int64_t(store_->num_pages()) * store_->page_bytes();
   usage.resident_bytes = store_->resident_bytes();
   for (int32_t slot = 0; slot < table_.num_params(); ++slot) {
-    for (int s = 0; s < table_.geometry().num_streams(); ++s) {
-      usage.payload_bytes += stream_bytes(slot, s);
+    for (const paging::StreamSpec& spec : table_.geometry(table_.param(slot).kind).streams()) {
+      usage.payload_bytes += stream_bytes(slot, spec.name);
     }
   }
   return usage;

@@ -12,21 +12,33 @@ int64_t groups_for(int64_t elements) { return (elements + kGroupSize - 1) / kGro
 
 }  // namespace
 
-PageTable::PageTable(PageGeometry geometry) : geometry_(std::move(geometry)) {}
+PageTable::PageTable(std::vector<PageGeometry> kinds)
+    : kinds_(std::move(kinds)), open_pages_(kinds_.size(), -1) {
+  if (kinds_.empty()) throw std::invalid_argument("a page table needs at least one kind");
+  for (const PageGeometry& kind : kinds_) {
+    if (kind.page_bytes() != kinds_.front().page_bytes()) {
+      throw std::invalid_argument("every page kind must have the same page size");
+    }
+  }
+}
 
-int32_t PageTable::add_param(int64_t numel) {
+int32_t PageTable::add_param(int64_t numel, int kind) {
   if (numel < 0) throw std::invalid_argument("numel must be >= 0, got " + std::to_string(numel));
-  if (geometry_.num_streams() == 0) {
-    throw std::logic_error("an optimizer without state streams has no pages to lay out");
+  if (kind < 0 || kind >= num_kinds()) {
+    throw std::out_of_range("page kind " + std::to_string(kind) + " does not exist");
+  }
+  const PageGeometry& geometry = kinds_[size_t(kind)];
+  if (geometry.num_streams() == 0) {
+    throw std::logic_error("a kind without state streams has no pages to lay out");
   }
   const int32_t slot = int32_t(params_.size());
-  params_.push_back(ParamLayout{numel, {}});
-  const int64_t capacity = geometry_.capacity_elements();
+  params_.push_back(ParamLayout{numel, kind, {}});
+  const int64_t capacity = geometry.capacity_elements();
 
   // Whole pages first: a page that a single parameter fills is never shared.
   int64_t offset = 0;
   while (numel - offset >= capacity) {
-    place(slot, offset, capacity, open_new_page_unshared());
+    place(slot, offset, capacity, open_new_page(kind));
     offset += capacity;
   }
   const int64_t rest = numel - offset;
@@ -35,16 +47,18 @@ int32_t PageTable::add_param(int64_t numel) {
   // The remainder (or a small parameter) goes into the open page when it fits; a 0-element
   // parameter still gets an (empty) segment so that it owns state like any other.
   const int64_t rest_groups = groups_for(rest);
-  if (open_page_ < 0 ||
-      pages_[size_t(open_page_)].used_groups + rest_groups > geometry_.capacity_groups()) {
-    open_page_ = open_new_page_unshared();
+  int32_t& open_page = open_pages_[size_t(kind)];
+  if (open_page < 0 ||
+      pages_[size_t(open_page)].used_groups + rest_groups > geometry.capacity_groups()) {
+    open_page = open_new_page(kind);
   }
-  place(slot, offset, rest, open_page_);
+  place(slot, offset, rest, open_page);
   return slot;
 }
 
-int32_t PageTable::open_new_page_unshared() {
+int32_t PageTable::open_new_page(int kind) {
   pages_.emplace_back();
+  pages_.back().kind = kind;
   return int32_t(pages_.size() - 1);
 }
 

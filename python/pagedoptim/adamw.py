@@ -9,18 +9,24 @@ import torch
 from pagedoptim._validation import check_betas, check_non_negative
 from pagedoptim.optimizer import PagedOptimizer
 from pagedoptim.options import PagingOptions
+from pagedoptim.state_format import Moment
 
 
 class AdamW(PagedOptimizer):
     """AdamW with decoupled weight decay (Loshchilov & Hutter), a drop-in for
     torch.optim.AdamW: same arguments, same state_dict format.
 
-    With state_bits=32 (exact mode) the result matches torch.optim.AdamW to fp32 rounding;
-    the state is fp32 also for bf16/fp16 params (torch keeps it in the param's dtype).
+    state_bits=8 (the default) keeps m and v companded in 8 bits with one fp16 scale per 32
+    elements; state_bits=32 keeps them in fp32 and, with master_bits=None, matches
+    torch.optim.AdamW to fp32 rounding (the state is fp32 also for bf16/fp16 params, where
+    torch keeps it in the param's dtype). master_bits=24|32 keeps an int8|int16 residual
+    beside each bf16/fp16 weight so that small updates are not rounded away.
     """
 
     _kind = "adamw"
-    _possible_streams = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    _FIRST = Moment("exp_avg", second=False)
+    _SECOND = Moment("exp_avg_sq", second=True)
+    _SECOND_MAX = Moment("max_exp_avg_sq", second=True)
 
     def __init__(
         self,
@@ -32,8 +38,8 @@ class AdamW(PagedOptimizer):
         amsgrad: bool = False,
         maximize: bool = False,
         *,
-        state_bits: int = 32,
-        master_bits: Optional[int] = None,
+        state_bits: int = 8,
+        master_bits: Optional[int] = 24,
         offload: Optional[str] = None,
         nvme_dir: Optional[str] = None,
         cache_bytes: Optional[int] = None,
@@ -63,11 +69,14 @@ class AdamW(PagedOptimizer):
     def _group_hyperparameters(self, group: dict[str, Any]) -> tuple:
         return self._check_group(group)
 
-    def _stream_names(self) -> list[str]:
-        names = ["exp_avg", "exp_avg_sq"]
+    def _moments(self) -> list[Moment]:
+        moments = [self._FIRST, self._SECOND]
         if any(group["amsgrad"] for group in self.param_groups):
-            names.append("max_exp_avg_sq")
-        return names
+            moments.append(self._SECOND_MAX)
+        return moments
+
+    def _all_moments(self) -> list[Moment]:
+        return [self._FIRST, self._SECOND, self._SECOND_MAX]
 
     def _native_step(self, *args: Any) -> None:
         self._engine.step_adamw(*args)

@@ -9,6 +9,7 @@ import torch
 from pagedoptim._validation import check_betas, check_non_negative
 from pagedoptim.optimizer import PagedOptimizer
 from pagedoptim.options import PagingOptions
+from pagedoptim.state_format import Moment
 
 
 class Lion(PagedOptimizer):
@@ -18,7 +19,7 @@ class Lion(PagedOptimizer):
     """
 
     _kind = "lion"
-    _possible_streams = ("exp_avg",)
+    _FIRST = Moment("exp_avg", second=False)
 
     def __init__(
         self,
@@ -28,8 +29,8 @@ class Lion(PagedOptimizer):
         weight_decay: float = 0.0,
         maximize: bool = False,
         *,
-        state_bits: int = 32,
-        master_bits: Optional[int] = None,
+        state_bits: int = 8,
+        master_bits: Optional[int] = 24,
         offload: Optional[str] = None,
         nvme_dir: Optional[str] = None,
         cache_bytes: Optional[int] = None,
@@ -56,8 +57,11 @@ class Lion(PagedOptimizer):
     def _group_hyperparameters(self, group: dict[str, Any]) -> tuple:
         return self._check_group(group)
 
-    def _stream_names(self) -> list[str]:
-        return ["exp_avg"]
+    def _moments(self) -> list[Moment]:
+        return [self._FIRST]
+
+    def _all_moments(self) -> list[Moment]:
+        return [self._FIRST]
 
     def _native_step(self, *args: Any) -> None:
         self._engine.step_lion(*args)

@@ -2,39 +2,48 @@
 
 It owns what the optimizers share: parameter validation, the paging options, the native
 engine (created at the first step, so no state exists before it), the single native call
-per step, and the translation between paged state and torch's state_dict format.
+per step (or, with release_grads, one per parameter inside backward), and the translation
+between paged state and torch's state_dict format.
 
 Where state lives: `self.state[p]` holds only the step counter ('step', a 0-dim float32
-tensor, as in torch). The moments live in the engine's pages; `state_dict()` gathers them
-into torch's per-parameter tensors and `load_state_dict()` scatters them back.
+tensor, as in torch). The moments (and master residuals) live in the engine's pages;
+`state_dict()` gathers them into per-parameter tensors and `load_state_dict()` scatters
+them back, converting between fp32 and companded 8-bit formats where they differ.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
+from pagedoptim import state_format
 from pagedoptim._native import native
 from pagedoptim.options import PagingOptions
+from pagedoptim.state_format import Moment, StreamSpec
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_FP32_BYTES_PER_GROUP = 32 * 4  # one fp32 value per element, 32 elements per group
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+# Page kinds: every parameter's state has the optimizer's moment streams; bf16/fp16
+# parameters with master_bits on have the master residual too.
+_KIND_PLAIN = 0
+_KIND_WITH_RESIDUAL = 1
 
 
 class PagedOptimizer(torch.optim.Optimizer):
-    """Base class; subclasses set `_kind` and implement the three hooks below."""
+    """Base class; subclasses set `_kind` and implement the hooks marked below."""
 
     _kind: str = ""
-    # Every state_dict key this optimizer may keep in pages, whatever its hyperparameters.
-    _possible_streams: tuple[str, ...] = ()
 
     def __init__(self, params: Any, defaults: dict[str, Any], options: PagingOptions) -> None:
         self._options = options
         self._engine: Any = None
         self._slots: dict[torch.Tensor, int] = {}
         self._device: Optional[torch.device] = None
+        self._release_hooks: list[Any] = []
+        self._released_this_round: set[int] = set()
         if isinstance(params, (set, frozenset)):
             raise TypeError("params must be an ordered collection (a list, a generator, "
                             "named_parameters()), not a set: a set's order changes between "
@@ -43,8 +52,12 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     # -- what each optimizer provides ------------------------------------------------------
 
-    def _stream_names(self) -> list[str]:
-        """State streams (torch's state_dict key names) for the current groups."""
+    def _moments(self) -> list[Moment]:
+        """The moments the current groups need (fixed once the engine exists)."""
+        raise NotImplementedError
+
+    def _all_moments(self) -> list[Moment]:
+        """Every moment this optimizer may keep, whatever its hyperparameters."""
         raise NotImplementedError
 
     def _group_hyperparameters(self, group: dict[str, Any]) -> tuple:
@@ -60,7 +73,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         params = param_group["params"]
         if isinstance(params, torch.Tensor):
             params = [params]
-        elif isinstance(params, set):
+        elif isinstance(params, (set, frozenset)):
             raise TypeError("optimizer parameters need to be organized in ordered collections, "
                             "but the ordering of tensors in sets will change between runs. "
                             "Please use a list instead.")
@@ -88,49 +101,63 @@ class PagedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"params must all be on one device: params[{index}] is on "
                                  f"{p.device}, earlier params are on {self._device}")
         super().add_param_group({**param_group, "params": params})
+        if self._options.release_grads:
+            for p in tensors:
+                if p.requires_grad:
+                    self._release_hooks.append(
+                        p.register_post_accumulate_grad_hook(self._step_released))
 
     # -- the step --------------------------------------------------------------------------
 
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        # With release_grads GradScaler must not try to unscale gradients that are already
+        # gone; claiming support makes it call step(grad_scaler=...), which says so.
+        return self._options.release_grads
+
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+    def step(self, closure: Optional[Callable[[], Any]] = None, *,
+             grad_scaler: Any = None) -> Any:
+        if self._options.release_grads:
+            return self._finish_released_round(closure, grad_scaler)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-
-        params: list[torch.Tensor] = []
-        grads: list[torch.Tensor] = []
-        steps: list[torch.Tensor] = []
-        slots: list[int] = []
-        group_ids: list[int] = []
-        hyperparameters: list[tuple] = []
-        write_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        batch = _StepBatch()
         for group_id, group in enumerate(self.param_groups):
-            hyperparameters.append(self._group_hyperparameters(group))
+            batch.hyperparameters.append(self._group_hyperparameters(group))
             for p in group["params"]:
-                grad = p.grad
-                if grad is None:
-                    continue
-                if grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse "
-                                       f"gradients (param of shape {tuple(p.shape)} has one)")
-                if p.device.type != "cpu":
-                    raise NotImplementedError(
-                        f"params on {p.device} cannot be stepped by this build of pagedoptim: "
-                        "its step kernels run on the CPU only")
-                work = p if p.is_contiguous() else p.contiguous()
-                if work is not p:
-                    write_back.append((p, work))
-                params.append(work)
-                grads.append(grad if grad.is_contiguous() else grad.contiguous())
-                steps.append(self._step_counter(p))
-                slots.append(self._slot(p))
-                group_ids.append(group_id)
-        if params:
-            self._native_step(params, grads, steps, slots, group_ids, hyperparameters)
-            for p, work in write_back:
-                p.copy_(work)
+                if p.grad is not None:
+                    self._add_to_batch(batch, p, p.grad, group_id)
+        self._run(batch)
         return loss
+
+    def _add_to_batch(self, batch: "_StepBatch", p: torch.Tensor, grad: torch.Tensor,
+                      group_id: int) -> None:
+        if grad.is_sparse:
+            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients "
+                               f"(param of shape {tuple(p.shape)} has one)")
+        if p.device.type != "cpu":
+            raise NotImplementedError(
+                f"params on {p.device} cannot be stepped by this build of pagedoptim: its "
+                "step kernels run on the CPU only")
+        work = p if p.is_contiguous() else p.contiguous()
+        if work is not p:
+            batch.write_back.append((p, work))
+        batch.params.append(work)
+        batch.grads.append(grad if grad.is_contiguous() else grad.contiguous())
+        batch.steps.append(self._step_counter(p))
+        batch.slots.append(self._slot(p))
+        batch.group_ids.append(group_id)
+
+    def _run(self, batch: "_StepBatch") -> None:
+        if not batch.params:
+            return
+        self._native_step(batch.params, batch.grads, batch.steps, batch.slots,
+                          batch.group_ids, batch.hyperparameters)
+        for p, work in batch.write_back:
+            p.copy_(work)
 
     def _step_counter(self, p: torch.Tensor) -> torch.Tensor:
         state = self.state[p]
@@ -138,22 +165,87 @@ class PagedOptimizer(torch.optim.Optimizer):
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
         return state["step"]
 
+    # -- gradient release ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _step_released(self, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: steps `p` as soon as its gradient is complete, then
+        frees the gradient, so at most one parameter's gradient is alive at a time."""
+        if p.grad is None:
+            return
+        if id(p) in self._released_this_round:
+            raise RuntimeError(
+                "release_grads=True steps each parameter inside backward and frees its "
+                "gradient, so gradients cannot accumulate over several backward calls: call "
+                "optimizer.step() after every backward (it ends the round), or use "
+                "release_grads=False for gradient accumulation")
+        batch = _StepBatch()
+        batch.hyperparameters = [self._group_hyperparameters(self._group_of(p))]
+        self._add_to_batch(batch, p, p.grad, 0)
+        self._run(batch)
+        self._released_this_round.add(id(p))
+        p.grad = None
+
+    def _group_of(self, p: torch.Tensor) -> dict[str, Any]:
+        for group in self.param_groups:
+            if any(q is p for q in group["params"]):
+                return group
+        raise RuntimeError("a released gradient belongs to no parameter group of this optimizer")
+
+    def _finish_released_round(self, closure: Any, grad_scaler: Any) -> None:
+        if closure is not None:
+            raise RuntimeError("step(closure) cannot be used with release_grads=True: the "
+                               "parameters were already stepped inside backward")
+        if grad_scaler is not None:
+            raise RuntimeError("GradScaler cannot be used with release_grads=True: it "
+                               "unscales and checks gradients before the step, but with "
+                               "gradient release they are applied and freed inside backward")
+        self._released_this_round.clear()
+        return None
+
+    # -- the engine ------------------------------------------------------------------------
+
+    def _stream_kinds(self) -> list[list[StreamSpec]]:
+        moments = [spec for moment in self._moments()
+                   for spec in state_format.moment_streams(moment, self._options.state_bits)]
+        kinds = [moments, list(moments)]
+        if self._options.master_bits is not None:
+            kinds[_KIND_WITH_RESIDUAL].append(
+                state_format.residual_stream(self._options.master_bits))
+        return kinds
+
+    def _kind_of(self, p: torch.Tensor) -> int:
+        if self._options.master_bits is not None and p.dtype in _LOW_PRECISION:
+            return _KIND_WITH_RESIDUAL
+        return _KIND_PLAIN
+
     def _ensure_engine(self) -> Any:
         if self._engine is None:
-            streams = [(name, _FP32_BYTES_PER_GROUP, False) for name in self._stream_names()]
-            self._engine = native.PagedState(self._kind, streams, self._options.page_bytes)
+            self._kinds = self._stream_kinds()
+            native_kinds = [[spec.as_native() for spec in kind] for kind in self._kinds]
+            self._engine = native.PagedState(self._kind, native_kinds, self._options.page_bytes)
         return self._engine
 
     def _slot(self, p: torch.Tensor) -> int:
-        """The parameter's slot in the engine; lays out its state on first use."""
+        """The parameter's slot in the engine; lays out its state on first use (-1: the
+        parameter keeps no state, as in plain SGD)."""
         slot = self._slots.get(p)
         if slot is None:
             engine = self._ensure_engine()
-            slot = engine.register_param(p.numel()) if engine.stream_names else -1
+            kind = self._kind_of(p)
+            if self._kinds[kind]:
+                # Pages start zeroed: a zero residual makes the master weight exactly the
+                # 16-bit parameter, which is right for a weight never split before.
+                slot = engine.register_param(p.numel(), kind)
+            else:
+                slot = -1
             self._slots[p] = slot
         return slot
 
-    # -- state_dict in torch's format ------------------------------------------------------
+    def _streams_of(self, p: torch.Tensor) -> list[StreamSpec]:
+        return self._kinds[self._kind_of(p)]
+
+    # -- state_dict ------------------------------------------------------------------------
 
     def _indexed_params(self, groups: Optional[list[dict[str, Any]]] = None
                         ) -> list[torch.Tensor]:
@@ -161,45 +253,52 @@ class PagedOptimizer(torch.optim.Optimizer):
         return list(itertools.chain.from_iterable(g["params"] for g in groups))
 
     def _gather_streams(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Every parameter's state streams as fp32 tensors shaped like it, by param index."""
+        """Every parameter's page streams as tensors, by param index."""
         gathered: dict[int, dict[str, torch.Tensor]] = {}
         if self._engine is None:
             return gathered
-        names = self._engine.stream_names
         for index, p in enumerate(self._indexed_params()):
             slot = self._slots.get(p)
             if slot is None or slot < 0:
                 continue
             gathered[index] = {
-                name: self._engine.read_stream(slot, s).view(torch.float32).view(p.shape)
-                for s, name in enumerate(names)
+                spec.name: spec.tensor_from_bytes(self._engine.read_stream(slot, spec.name),
+                                                  p.shape)
+                for spec in self._streams_of(p)
             }
         return gathered
 
     def _scatter_streams(self, streams: dict[int, dict[str, torch.Tensor]]) -> None:
-        """Replaces the engine by one holding exactly `streams` (param index -> tensors)."""
+        """Replaces the engine by one holding exactly `streams` (param index -> tensors, in
+        this optimizer's format or another: fp32 moments and codes convert both ways)."""
         self._engine = None
         self._slots = {}
         if not streams:
             return
-        engine = self._ensure_engine()
+        self._ensure_engine()
         params = self._indexed_params()
+        moments = self._all_moments()
         for index in sorted(streams):
             p = params[index]
-            tensors = streams[index]
-            missing = [name for name in engine.stream_names if name not in tensors]
-            if missing:
-                raise ValueError(f"state for param {index} lacks {missing}; an optimizer "
-                                 f"state_dict for {type(self).__name__} with these "
-                                 f"hyperparameters needs {engine.stream_names}")
+            given = streams[index]
             slot = self._slot(p)
-            for s, name in enumerate(engine.stream_names):
-                value = tensors[name]
-                if value.numel() != p.numel():
-                    raise ValueError(f"state '{name}' of param {index} has {value.numel()} "
-                                     f"elements, the param has {p.numel()}")
-                raw = value.detach().to(device="cpu", dtype=torch.float32).contiguous()
-                engine.write_stream(slot, s, raw.view(-1).view(torch.uint8))
+            if slot < 0:
+                continue
+            for spec in self._streams_of(p):
+                value = state_format.convert_for_stream(spec, moments, given, p.numel())
+                if value is None:
+                    if spec.name == state_format.RESIDUAL:
+                        continue  # no residual saved: the master is the 16-bit weight
+                    raise ValueError(
+                        f"state for param {index} has no '{spec.name}' and nothing to convert "
+                        f"it from; {type(self).__name__} with these hyperparameters keeps "
+                        f"{[s.name for s in self._streams_of(p)]}")
+                expected = state_format.expected_numel(spec, p.numel())
+                if value.numel() != expected:
+                    raise ValueError(f"state '{spec.name}' of param {index} has "
+                                     f"{value.numel()} elements, expected {expected}")
+                raw = value.detach().to(device="cpu", dtype=spec.dtype).contiguous()
+                self._engine.write_stream(slot, spec.name, raw.view(-1).view(torch.uint8))
 
     def state_dict(self) -> dict[str, Any]:
         state_dict = super().state_dict()
@@ -210,8 +309,27 @@ class PagedOptimizer(torch.optim.Optimizer):
                                for index, value in state_dict["state"].items()}
         return state_dict
 
+    def torch_state_dict(self) -> dict[str, Any]:
+        """This optimizer's state in torch.optim's format, loadable by the torch optimizer of
+        the same algorithm: companded moments dequantized to fp32, master residuals dropped
+        (torch keeps no master weight; the 16-bit parameter is the weight)."""
+        state_dict = self.state_dict()
+        moments = self._all_moments()
+        params = self._indexed_params()
+        for index, value in state_dict["state"].items():
+            converted = {k: v for k, v in value.items()
+                         if k not in state_format.all_stream_names(moments)}
+            for moment in self._moments():
+                spec = StreamSpec(moment.name, 4 * state_format.GROUP_SIZE, False, torch.float32)
+                tensor = state_format.convert_for_stream(spec, moments, value,
+                                                         params[index].numel())
+                if tensor is not None:
+                    converted[moment.name] = tensor.reshape(params[index].shape)
+            state_dict["state"][index] = converted
+        return state_dict
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        names = set(self._possible_streams)
+        names = state_format.all_stream_names(self._all_moments())
         streams: dict[int, dict[str, torch.Tensor]] = {}
         stripped_state: dict[Any, dict[str, Any]] = {}
         for index, value in state_dict["state"].items():
@@ -221,22 +339,21 @@ class PagedOptimizer(torch.optim.Optimizer):
             stripped_state[index] = {k: v for k, v in value.items() if k not in names}
         super().load_state_dict({**state_dict, "state": stripped_state})
         # torch keeps 'step' as given; the engine needs a one-element float32 cpu tensor.
-        for p, value in self.state.items():
+        params = self._indexed_params()
+        index_of = {p: i for i, p in enumerate(params)}
+        for p in list(self.state):
+            value = {k: v for k, v in self.state[p].items() if k not in names}
             step = value.get("step")
             if step is None:
-                value["step"] = torch.tensor(self._default_step(p, streams), dtype=torch.float32)
+                value["step"] = torch.tensor(self._default_step(index_of[p] in streams),
+                                             dtype=torch.float32)
             elif not (isinstance(step, torch.Tensor) and step.dtype == torch.float32
                       and step.device.type == "cpu" and step.dim() == 0):
                 value["step"] = torch.tensor(float(step), dtype=torch.float32)
-        index_of = {p: i for i, p in enumerate(self._indexed_params())}
-        for p in list(self.state):
-            self.state[p] = {k: v for k, v in self.state[p].items() if k not in names}
-            if index_of.get(p) is None:
-                del self.state[p]
+            self.state[p] = value
         self._scatter_streams(streams)
 
-    def _default_step(self, p: torch.Tensor, streams: dict[int, dict[str, torch.Tensor]]
-                      ) -> float:
+    def _default_step(self, has_streams: bool) -> float:
         """Step of a param whose loaded state has none (torch.optim.SGD keeps no step)."""
         return 0.0
 
@@ -259,31 +376,80 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._options = options
         self._engine = None
         self._slots = {}
+        self._release_hooks = []
+        self._released_this_round = set()
         params = self._indexed_params()
         self._device = params[0].device if params else None
+        if options.release_grads:
+            for p in params:
+                if p.requires_grad:
+                    self._release_hooks.append(
+                        p.register_post_accumulate_grad_hook(self._step_released))
         self._scatter_streams(saved_streams)
 
     # -- reports ---------------------------------------------------------------------------
 
     def memory_report(self) -> dict[str, Any]:
-        """Bytes of parameters, gradients and optimizer state, and state bytes per param."""
+        """Exact bytes of parameters, gradients and optimizer state by kind, and per param.
+
+        state bytes split into 'moment_bytes' (fp32 moments or 8-bit codes), 'scale_bytes'
+        (fp16 group scales), 'residual_bytes' (master residuals), 'step_bytes', and
+        'page_slack_bytes' (page space not used by any stream: alignment and the unfilled
+        end of the last pages); 'state_bytes' is their sum, what the pages and step counters
+        occupy.
+        """
         params = self._indexed_params()
+        num_elements = sum(p.numel() for p in params)
         param_bytes = sum(p.numel() * p.element_size() for p in params)
         grad_bytes = sum(p.grad.numel() * p.grad.element_size()
                          for p in params if p.grad is not None)
-        usage = self._engine.memory_usage() if self._engine is not None else {
-            "state_bytes": 0, "resident_bytes": 0, "payload_bytes": 0,
-            "num_pages": 0, "num_params": 0}
+        moment_bytes = scale_bytes = residual_bytes = 0
+        page_bytes = num_pages = 0
+        if self._engine is not None:
+            usage = self._engine.memory_usage()
+            page_bytes, num_pages = usage["state_bytes"], usage["num_pages"]
+            for p, slot in self._slots.items():
+                if slot < 0:
+                    continue
+                for spec in self._streams_of(p):
+                    size = self._engine.stream_bytes(slot, spec.name)
+                    if spec.name == state_format.RESIDUAL:
+                        residual_bytes += size
+                    elif spec.per_group:
+                        scale_bytes += size
+                    else:
+                        moment_bytes += size
         step_bytes = 4 * sum(1 for v in self.state.values() if "step" in v)
-        num_elements = sum(p.numel() for p in params)
+        state_bytes = page_bytes + step_bytes
+        per_param = max(num_elements, 1)
         return {
             "param_bytes": param_bytes,
             "grad_bytes": grad_bytes,
-            "state_bytes": usage["state_bytes"] + step_bytes,
-            "state_payload_bytes": usage["payload_bytes"],
-            "state_resident_bytes": usage["resident_bytes"],
-            "num_pages": usage["num_pages"],
+            "state_bytes": state_bytes,
+            "moment_bytes": moment_bytes,
+            "scale_bytes": scale_bytes,
+            "residual_bytes": residual_bytes,
+            "step_bytes": step_bytes,
+            "page_slack_bytes": page_bytes - moment_bytes - scale_bytes - residual_bytes,
+            "num_pages": num_pages,
             "page_bytes": self._options.page_bytes,
             "num_elements": num_elements,
-            "state_bytes_per_param": (usage["state_bytes"] + step_bytes) / max(num_elements, 1),
+            "state_bytes_per_param": state_bytes / per_param,
+            "total_bytes_per_param": (param_bytes + grad_bytes + state_bytes) / per_param,
         }
+
+
+class _StepBatch:
+    """The arguments of one native step call, collected parameter by parameter."""
+
+    __slots__ = ("params", "grads", "steps", "slots", "group_ids", "hyperparameters",
+                 "write_back")
+
+    def __init__(self) -> None:
+        self.params: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []
+        self.steps: list[torch.Tensor] = []
+        self.slots: list[int] = []
+        self.group_ids: list[int] = []
+        self.hyperparameters: list[tuple] = []
+        self.write_back: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -26,8 +26,8 @@ def _not_yet(argument: str, value: object, what: str) -> NotImplementedError:
 
 @dataclasses.dataclass(frozen=True)
 class PagingOptions:
-    state_bits: int = 32
-    master_bits: Optional[int] = None
+    state_bits: int = 8
+    master_bits: Optional[int] = 24
     offload: Optional[str] = None
     nvme_dir: Optional[str] = None
     cache_bytes: Optional[int] = None
@@ -39,13 +39,9 @@ class PagingOptions:
     def __post_init__(self) -> None:
         if self.state_bits not in (8, 32):
             raise ValueError(f"Invalid state_bits: {self.state_bits!r} (expected 32 or 8)")
-        if self.state_bits == 8:
-            raise _not_yet("state_bits", 8, "companded 8-bit state")
         if self.master_bits not in (None, 24, 32):
             raise ValueError(f"Invalid master_bits: {self.master_bits!r} "
                              "(expected None, 24 or 32)")
-        if self.master_bits is not None:
-            raise _not_yet("master_bits", self.master_bits, "split master weights")
         if self.offload not in _OFFLOAD_TIERS:
             raise ValueError(f"Invalid offload: {self.offload!r} (expected None, 'host' or 'nvme')")
         if self.offload is not None:
@@ -72,5 +68,3 @@ class PagingOptions:
             raise _not_yet("policy", self.policy, "page eviction policies")
         if not isinstance(self.release_grads, bool):
             raise TypeError(f"release_grads must be a bool, got {type(self.release_grads).__name__}")
-        if self.release_grads:
-            raise _not_yet("release_grads", True, "gradient release")

@@ -9,6 +9,7 @@ import torch
 from pagedoptim._validation import check_non_negative
 from pagedoptim.optimizer import PagedOptimizer
 from pagedoptim.options import PagingOptions
+from pagedoptim.state_format import Moment
 
 
 class SGD(PagedOptimizer):
@@ -16,7 +17,7 @@ class SGD(PagedOptimizer):
     drop-in for torch.optim.SGD. With momentum=0 it keeps no state at all."""
 
     _kind = "sgd"
-    _possible_streams = ("momentum_buffer",)
+    _MOMENTUM = Moment("momentum_buffer", second=False)
 
     def __init__(
         self,
@@ -28,8 +29,8 @@ class SGD(PagedOptimizer):
         nesterov: bool = False,
         maximize: bool = False,
         *,
-        state_bits: int = 32,
-        master_bits: Optional[int] = None,
+        state_bits: int = 8,
+        master_bits: Optional[int] = 24,
         offload: Optional[str] = None,
         nvme_dir: Optional[str] = None,
         cache_bytes: Optional[int] = None,
@@ -63,17 +64,18 @@ class SGD(PagedOptimizer):
     def _group_hyperparameters(self, group: dict[str, Any]) -> tuple:
         return self._check_group(group)
 
-    def _stream_names(self) -> list[str]:
+    def _moments(self) -> list[Moment]:
         if any(float(group["momentum"]) != 0.0 for group in self.param_groups):
-            return ["momentum_buffer"]
+            return [self._MOMENTUM]
         return []
+
+    def _all_moments(self) -> list[Moment]:
+        return [self._MOMENTUM]
 
     def _native_step(self, *args: Any) -> None:
         self._ensure_engine().step_sgd(*args)
 
-    def _default_step(self, p: torch.Tensor, streams: dict[int, dict[str, torch.Tensor]]
-                      ) -> float:
+    def _default_step(self, has_streams: bool) -> float:
         # torch.optim.SGD keeps no step; a parameter that has a momentum buffer has been
         # stepped, so its buffer must not be re-initialized from the next gradient.
-        index = next(i for i, q in enumerate(self._indexed_params()) if q is p)
-        return 1.0 if index in streams else 0.0
+        return 1.0 if has_streams else 0.0

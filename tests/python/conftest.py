@@ -17,6 +17,7 @@ numerical analysis with the magnitude taken over the trajectory. FP32_TOL = 1e-6
 8 ulp of the largest magnitude (2**-23 = 1.19e-7).
 """
 
+import functools
 import pytest
 import torch
 from torch import nn
@@ -31,7 +32,11 @@ SMALL_SHAPES = [(), (7,), (33,), (64,), (5, 13), (3, 31, 3)]
 # More than 1M elements: spans several 2 MiB pages of fp32 state; not a multiple of 32.
 LARGE_SHAPES = [((1 << 20) + 13,)]
 
-OURS = {"AdamW": po.AdamW, "SGD": po.SGD, "Lion": po.Lion}
+# The drop-in contract is stated for exact mode (fp32 state, no master split); the
+# compressed defaults have their own tests (test_compressed_*.py).
+EXACT = dict(state_bits=32, master_bits=None)
+OURS = {name: functools.partial(cls, **EXACT)
+        for name, cls in (("AdamW", po.AdamW), ("SGD", po.SGD), ("Lion", po.Lion))}
 
 
 class LionReference(torch.optim.Optimizer):

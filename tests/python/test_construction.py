@@ -117,7 +117,7 @@ def test_named_parameters_give_param_names(name):
 
 def test_named_parameters_step_like_torch():
     model, ref_model = TinyModel(), TinyModel()
-    opt = po.AdamW(model.named_parameters(), lr=1e-2)
+    opt = OURS["AdamW"](model.named_parameters(), lr=1e-2)
     ref = torch.optim.AdamW(ref_model.named_parameters(), lr=1e-2)
     params, ref_params = list(model.parameters()), list(ref_model.parameters())
     grads = Grads([p.shape for p in params], steps=5)
@@ -255,10 +255,9 @@ def test_sgd_nesterov_needs_momentum_and_no_dampening(kwargs):
 
 # --- keyword arguments of later modes -----------------------------------------------------
 
+# Until the pager lands (issue 4) its keyword arguments refuse loudly rather than being
+# ignored. The compressed state (state_bits=8, master_bits, release_grads) is implemented.
 NOT_IMPLEMENTED = [
-    ("state_bits", 8),
-    ("master_bits", 24),
-    ("master_bits", 32),
     ("offload", "host"),
     ("offload", "nvme"),
     ("nvme_dir", "/tmp/pagedoptim-test-never-created"),
@@ -267,7 +266,6 @@ NOT_IMPLEMENTED = [
     ("prefetch", 8),
     ("policy", "lru"),
     ("policy", "plan"),
-    ("release_grads", True),
 ]
 
 

@@ -128,7 +128,7 @@ def test_sgd_state_dict_has_momentum_buffer():
 
 def test_sgd_without_momentum_has_no_momentum_buffer():
     params = make_params(SMALL_SHAPES, seed=1)
-    opt = po.SGD(params, lr=1e-2)
+    opt = OURS["SGD"](params, lr=1e-2)
     run_steps(opt, params, Grads(SMALL_SHAPES, 2), 0, 2)
     for idx, state in opt.state_dict()["state"].items():
         assert state.get("momentum_buffer") is None, f"param {idx}: {sorted(state)}"
@@ -209,8 +209,8 @@ def test_cross_loading_with_torch_adamw(direction, amsgrad):
         run_steps(straight, straight_params, grads, t, t + 1)
         scale.update(straight_params)
 
-    first_cls, second_cls = ((torch.optim.AdamW, po.AdamW) if direction == "torch_to_ours"
-                             else (po.AdamW, torch.optim.AdamW))
+    first_cls, second_cls = ((torch.optim.AdamW, OURS["AdamW"]) if direction == "torch_to_ours"
+                             else (OURS["AdamW"], torch.optim.AdamW))
     first_params = make_params(SMALL_SHAPES, seed=10)
     first = first_cls(first_params, **hyper)
     run_steps(first, first_params, grads, 0, K)
@@ -241,7 +241,7 @@ def test_cross_loading_with_torch_adamw(direction, amsgrad):
 
 def test_named_state_dict_loads_into_torch():
     model, torch_model = TinyModel(), TinyModel()
-    opt = po.AdamW(model.named_parameters(), lr=1e-2)
+    opt = OURS["AdamW"](model.named_parameters(), lr=1e-2)
     params = list(model.parameters())
     run_steps(opt, params, Grads([p.shape for p in params], 3), 0, 3)
     sd = opt.state_dict()

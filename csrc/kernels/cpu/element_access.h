@@ -1,14 +1,21 @@
-// Loads and stores of parameter/gradient elements as fp32, per element type.
+// Loads and stores of parameters and gradients as fp32, per element type and master mode.
 //
-// Written so that the loops that call them vectorize: the bf16 path is integer shifts and a
-// rounding add, the fp16 path uses the F16C conversion instructions when the translation
-// unit is compiled with them (GCC then vectorizes _Float16 <-> float casts) and the portable
-// bit-level conversion otherwise.
+// A ParamIo wraps the pointers of one span and gives `param(i)`, `grad(i)` and
+// `store(i, value)` in fp32, so that one kernel template serves every combination:
+//   PlainIo<Float32Access | BFloat16Access | Float16Access>  the parameter is the weight
+//   MasterIo<Bf16Master | Fp16Master, int8_t | int16_t>      the weight is the 16-bit
+//       parameter plus a residual (codec/master_split.h), joined on load, split on store
+// Written so that the loops that call them vectorize: bf16 is integer shifts and a rounding
+// add, fp16 uses the F16C conversion instructions when the translation unit is compiled
+// with them (GCC then vectorizes _Float16 <-> float casts) and the portable bit-level
+// conversion otherwise.
 #pragma once
 
 #include <cstdint>
 
+#include "kernels/cpu/step_kernels.h"
 #include "pagedoptim/codec/float_convert.h"
+#include "pagedoptim/codec/master_split.h"
 
 namespace pagedoptim::kernels {
 
@@ -41,5 +48,81 @@ struct Float16Access {
   }
 };
 #endif
+
+template <class Access>
+struct PlainIo {
+  using Storage = typename Access::Storage;
+  Storage* PO_RESTRICT param_ptr;
+  const Storage* PO_RESTRICT grad_ptr;
+
+  PlainIo(const ParamSpan& span, const MasterResidual&)
+      : param_ptr(static_cast<Storage*>(span.param)),
+        grad_ptr(static_cast<const Storage*>(span.grad)) {}
+  inline float param(int64_t i) const { return Access::load(param_ptr, i); }
+  inline float grad(int64_t i) const { return Access::load(grad_ptr, i); }
+  inline void store(int64_t i, float value) const { Access::store(param_ptr, i, value); }
+};
+
+struct Bf16Master {
+  template <class Residual>
+  static inline float join(uint16_t param, Residual residual) {
+    return codec::join_master_bf16<Residual>(param, residual);
+  }
+  template <class Residual>
+  static inline void split(float master, uint16_t& param, Residual& residual) {
+    codec::split_master_bf16<Residual>(master, param, residual);
+  }
+  static inline float load_grad(uint16_t g) { return codec::bf16_to_float(g); }
+};
+
+struct Fp16Master {
+  template <class Residual>
+  static inline float join(uint16_t param, Residual residual) {
+    return codec::join_master_fp16<Residual>(param, residual);
+  }
+  template <class Residual>
+  static inline void split(float master, uint16_t& param, Residual& residual) {
+    codec::split_master_fp16<Residual>(master, param, residual);
+  }
+  static inline float load_grad(uint16_t g) { return codec::fp16_to_float(g); }
+};
+
+template <class Master, class Residual>
+struct MasterIo {
+  uint16_t* PO_RESTRICT param_ptr;
+  Residual* PO_RESTRICT residual_ptr;
+  const uint16_t* PO_RESTRICT grad_ptr;
+
+  MasterIo(const ParamSpan& span, const MasterResidual& residual)
+      : param_ptr(static_cast<uint16_t*>(span.param)),
+        residual_ptr(static_cast<Residual*>(residual.values)),
+        grad_ptr(static_cast<const uint16_t*>(span.grad)) {}
+  inline float param(int64_t i) const {
+    return Master::template join<Residual>(param_ptr[i], residual_ptr[i]);
+  }
+  inline float grad(int64_t i) const { return Master::load_grad(grad_ptr[i]); }
+  inline void store(int64_t i, float value) const {
+    Master::template split<Residual>(value, param_ptr[i], residual_ptr[i]);
+  }
+};
+
+// Calls Body::template run<Io>(args...) with the ParamIo of the span's type and residual.
+template <template <class> class Body, class... Args>
+inline void with_param_io(const ParamSpan& span, const MasterResidual& residual,
+                          Args&&... args) {
+  switch (span.type) {
+    case ElementType::kFloat32:
+      Body<PlainIo<Float32Access>>::run(args...);
+      return;
+    case ElementType::kBFloat16:
+      if (residual.bits == 8) return Body<MasterIo<Bf16Master, int8_t>>::run(args...);
+      if (residual.bits == 16) return Body<MasterIo<Bf16Master, int16_t>>::run(args...);
+      return Body<PlainIo<BFloat16Access>>::run(args...);
+    case ElementType::kFloat16:
+      if (residual.bits == 8) return Body<MasterIo<Fp16Master, int8_t>>::run(args...);
+      if (residual.bits == 16) return Body<MasterIo<Fp16Master, int16_t>>::run(args...);
+      return Body<PlainIo<Float16Access>>::run(args...);
+  }
+}
 
 }  // namespace pagedoptim::kernels

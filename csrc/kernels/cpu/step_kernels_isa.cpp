@@ -1,11 +1,18 @@
 // The fused step kernels, compiled once per ISA (see CMakeLists.txt: this file is built
 // with -DPO_CPU_ISA=<name> and that ISA's -m flags; dispatch.cpp picks one at run time).
 //
-// The loops are plain C++ over restrict pointers so that GCC vectorizes them for the ISA
-// of the translation unit; the element math is the shared codec/update_rules.h. Branches
-// that depend only on hyperparameters (amsgrad, momentum, first step) sit outside the loops.
+// Two loop shapes. fp32 state: one plain loop over elements. Companded 8-bit state: a loop
+// over groups of kGroupSize elements; each group is decoded into registers-sized local
+// arrays, updated, and re-encoded with its new scale before the next group is touched, so
+// state memory is read and written once. Full groups take a constant trip count, which
+// GCC unrolls and vectorizes completely; only a parameter's last group is partial.
+// The element math is the shared codec/update_rules.h; branches that depend only on
+// hyperparameters (amsgrad, momentum, first step) sit outside the loops.
+#include <algorithm>
+
 #include "kernels/cpu/element_access.h"
 #include "kernels/cpu/step_kernels.h"
+#include "pagedoptim/codec/companding.h"
 
 #ifndef PO_CPU_ISA
 #error "PO_CPU_ISA must name the ISA this translation unit is compiled for"
@@ -14,110 +21,202 @@
 namespace pagedoptim::kernels::PO_CPU_ISA {
 namespace {
 
-template <class Access, bool kAmsgrad>
-void adamw_loop(const ParamSpan& span, float* PO_RESTRICT m, float* PO_RESTRICT v,
-                float* PO_RESTRICT v_max, const codec::AdamWScalars& s) {
-  using Storage = typename Access::Storage;
-  Storage* PO_RESTRICT param = static_cast<Storage*>(span.param);
-  const Storage* PO_RESTRICT grad = static_cast<const Storage*>(span.grad);
+using codec::AdamWScalars;
+using codec::LionScalars;
+using codec::SGDScalars;
+
+// Runs body(base, count) for every group of the span; full groups with a constant count.
+template <class Body>
+inline void for_each_group(int64_t n, const Body& body) {
+  const int64_t full_end = n / kGroupSize * kGroupSize;
+  for (int64_t base = 0; base < full_end; base += kGroupSize) {
+    body(base, std::integral_constant<int, kGroupSize>());
+  }
+  if (full_end < n) body(full_end, int(n - full_end));
+}
+
+// ---------------------------------------------------------------------------------------------
+// AdamW
+
+template <class Io, bool kAmsgrad>
+void adamw_fp32_state(const ParamSpan& span, const AdamWStreams& st, const AdamWScalars& s) {
+  const Io io(span, st.residual);
+  float* PO_RESTRICT m = static_cast<float*>(st.m.values);
+  float* PO_RESTRICT v = static_cast<float*>(st.v.values);
+  float* PO_RESTRICT v_max = static_cast<float*>(st.v_max.values);
   const int64_t n = span.count;
 #pragma GCC ivdep
   for (int64_t i = 0; i < n; ++i) {
-    float p = Access::load(param, i);
-    const float g = Access::load(grad, i);
+    float p = io.param(i);
+    const float g = io.grad(i);
     if constexpr (kAmsgrad) {
       codec::adamw_element<true>(p, g, m[i], v[i], v_max[i], s);
     } else {
       float unused_max = 0.0f;
       codec::adamw_element<false>(p, g, m[i], v[i], unused_max, s);
     }
-    Access::store(param, i, p);
+    io.store(i, p);
   }
 }
 
-template <class Access>
-void sgd_loop(const ParamSpan& span, float* PO_RESTRICT buffer, const codec::SGDScalars& s) {
-  using Storage = typename Access::Storage;
-  Storage* PO_RESTRICT param = static_cast<Storage*>(span.param);
-  const Storage* PO_RESTRICT grad = static_cast<const Storage*>(span.grad);
-  const int64_t n = span.count;
-  if (buffer == nullptr) {
-#pragma GCC ivdep
-    for (int64_t i = 0; i < n; ++i) {
-      float p = Access::load(param, i);
-      codec::sgd_element(p, Access::load(grad, i), s);
-      Access::store(param, i, p);
+template <class Io, bool kAmsgrad>
+void adamw_8bit_state(const ParamSpan& span, const AdamWStreams& st, const AdamWScalars& s) {
+  const Io io(span, st.residual);
+  int8_t* PO_RESTRICT m_codes = static_cast<int8_t*>(st.m.values);
+  uint8_t* PO_RESTRICT v_codes = static_cast<uint8_t*>(st.v.values);
+  uint8_t* PO_RESTRICT v_max_codes = static_cast<uint8_t*>(st.v_max.values);
+  for_each_group(span.count, [&](int64_t base, auto count) {
+    const int64_t group = base / kGroupSize;
+    float m[kGroupSize], v[kGroupSize], v_denominator[kGroupSize];
+    float v_max[kGroupSize], v_max_denominator[kGroupSize];
+    codec::decode_moment_group(m_codes + base, st.m.scales[group], count, m);
+    const float v_scale = codec::fp16_to_float(st.v.scales[group]);
+    for (int i = 0; i < count; ++i) {
+      v[i] = codec::decode_second_moment(v_codes[base + i], v_scale);
+      v_denominator[i] = codec::decode_second_moment_for_denominator(v_codes[base + i], v_scale);
     }
-    return;
-  }
-#pragma GCC ivdep
-  for (int64_t i = 0; i < n; ++i) {
-    float p = Access::load(param, i);
-    codec::sgd_momentum_element(p, Access::load(grad, i), buffer[i], s);
-    Access::store(param, i, p);
-  }
+    if constexpr (kAmsgrad) {
+      const float v_max_scale = codec::fp16_to_float(st.v_max.scales[group]);
+      for (int i = 0; i < count; ++i) {
+        v_max[i] = codec::decode_second_moment(v_max_codes[base + i], v_max_scale);
+        v_max_denominator[i] =
+            codec::decode_second_moment_for_denominator(v_max_codes[base + i], v_max_scale);
+      }
+    }
+    for (int i = 0; i < count; ++i) {
+      float p = io.param(base + i);
+      codec::adamw_element<kAmsgrad>(p, io.grad(base + i), m[i], v[i], v_denominator[i],
+                                     v_max[i], v_max_denominator[i], s);
+      io.store(base + i, p);
+    }
+    st.m.scales[group] = codec::encode_moment_group(m, count, m_codes + base);
+    st.v.scales[group] = codec::encode_second_moment_group(v, count, v_codes + base);
+    if constexpr (kAmsgrad) {
+      st.v_max.scales[group] = codec::encode_second_moment_group(v_max, count, v_max_codes + base);
+    }
+  });
 }
 
-template <class Access>
-void lion_loop(const ParamSpan& span, float* PO_RESTRICT m, const codec::LionScalars& s) {
-  using Storage = typename Access::Storage;
-  Storage* PO_RESTRICT param = static_cast<Storage*>(span.param);
-  const Storage* PO_RESTRICT grad = static_cast<const Storage*>(span.grad);
-  const int64_t n = span.count;
-#pragma GCC ivdep
-  for (int64_t i = 0; i < n; ++i) {
-    float p = Access::load(param, i);
-    codec::lion_element(p, Access::load(grad, i), m[i], s);
-    Access::store(param, i, p);
-  }
-}
-
-template <template <class> class Loop, class... Args>
-void for_element_type(ElementType type, Args&&... args) {
-  switch (type) {
-    case ElementType::kFloat32: Loop<Float32Access>::run(args...); return;
-    case ElementType::kBFloat16: Loop<BFloat16Access>::run(args...); return;
-    case ElementType::kFloat16: Loop<Float16Access>::run(args...); return;
-  }
-}
-
-template <class Access>
-struct AdamWLoop {
-  static void run(const ParamSpan& span, float* m, float* v, float* v_max,
-                  const codec::AdamWScalars& s) {
-    if (v_max != nullptr) {
-      adamw_loop<Access, true>(span, m, v, v_max, s);
+template <class Io>
+struct AdamWBody {
+  static void run(const ParamSpan& span, const AdamWStreams& st, const AdamWScalars& s) {
+    const bool amsgrad = st.v_max.present();
+    if (st.m.quantized()) {
+      amsgrad ? adamw_8bit_state<Io, true>(span, st, s) : adamw_8bit_state<Io, false>(span, st, s);
     } else {
-      adamw_loop<Access, false>(span, m, v, nullptr, s);
+      amsgrad ? adamw_fp32_state<Io, true>(span, st, s) : adamw_fp32_state<Io, false>(span, st, s);
     }
   }
 };
 
-template <class Access>
-struct SGDLoop {
-  static void run(const ParamSpan& span, float* buffer, const codec::SGDScalars& s) {
-    sgd_loop<Access>(span, buffer, s);
+void adamw(const ParamSpan& span, const AdamWStreams& st, const AdamWScalars& s) {
+  with_param_io<AdamWBody>(span, st.residual, span, st, s);
+}
+
+// ---------------------------------------------------------------------------------------------
+// SGD
+
+template <class Io>
+void sgd_stateless(const ParamSpan& span, const MomentumStreams& st, const SGDScalars& s) {
+  const Io io(span, st.residual);
+  const int64_t n = span.count;
+#pragma GCC ivdep
+  for (int64_t i = 0; i < n; ++i) {
+    float p = io.param(i);
+    codec::sgd_element(p, io.grad(i), s);
+    io.store(i, p);
+  }
+}
+
+template <class Io>
+void sgd_fp32_state(const ParamSpan& span, const MomentumStreams& st, const SGDScalars& s) {
+  const Io io(span, st.residual);
+  float* PO_RESTRICT buffer = static_cast<float*>(st.m.values);
+  const int64_t n = span.count;
+#pragma GCC ivdep
+  for (int64_t i = 0; i < n; ++i) {
+    float p = io.param(i);
+    codec::sgd_momentum_element(p, io.grad(i), buffer[i], s);
+    io.store(i, p);
+  }
+}
+
+template <class Io>
+void sgd_8bit_state(const ParamSpan& span, const MomentumStreams& st, const SGDScalars& s) {
+  const Io io(span, st.residual);
+  int8_t* PO_RESTRICT codes = static_cast<int8_t*>(st.m.values);
+  for_each_group(span.count, [&](int64_t base, auto count) {
+    const int64_t group = base / kGroupSize;
+    float buffer[kGroupSize];
+    codec::decode_moment_group(codes + base, st.m.scales[group], count, buffer);
+    for (int i = 0; i < count; ++i) {
+      float p = io.param(base + i);
+      codec::sgd_momentum_element(p, io.grad(base + i), buffer[i], s);
+      io.store(base + i, p);
+    }
+    st.m.scales[group] = codec::encode_moment_group(buffer, count, codes + base);
+  });
+}
+
+template <class Io>
+struct SGDBody {
+  static void run(const ParamSpan& span, const MomentumStreams& st, const SGDScalars& s) {
+    if (!st.m.present()) {
+      sgd_stateless<Io>(span, st, s);
+    } else if (st.m.quantized()) {
+      sgd_8bit_state<Io>(span, st, s);
+    } else {
+      sgd_fp32_state<Io>(span, st, s);
+    }
   }
 };
 
-template <class Access>
-struct LionLoop {
-  static void run(const ParamSpan& span, float* m, const codec::LionScalars& s) {
-    lion_loop<Access>(span, m, s);
+void sgd(const ParamSpan& span, const MomentumStreams& st, const SGDScalars& s) {
+  with_param_io<SGDBody>(span, st.residual, span, st, s);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Lion
+
+template <class Io>
+void lion_fp32_state(const ParamSpan& span, const MomentumStreams& st, const LionScalars& s) {
+  const Io io(span, st.residual);
+  float* PO_RESTRICT m = static_cast<float*>(st.m.values);
+  const int64_t n = span.count;
+#pragma GCC ivdep
+  for (int64_t i = 0; i < n; ++i) {
+    float p = io.param(i);
+    codec::lion_element(p, io.grad(i), m[i], s);
+    io.store(i, p);
+  }
+}
+
+template <class Io>
+void lion_8bit_state(const ParamSpan& span, const MomentumStreams& st, const LionScalars& s) {
+  const Io io(span, st.residual);
+  int8_t* PO_RESTRICT codes = static_cast<int8_t*>(st.m.values);
+  for_each_group(span.count, [&](int64_t base, auto count) {
+    const int64_t group = base / kGroupSize;
+    float m[kGroupSize];
+    codec::decode_moment_group(codes + base, st.m.scales[group], count, m);
+    for (int i = 0; i < count; ++i) {
+      float p = io.param(base + i);
+      codec::lion_element(p, io.grad(base + i), m[i], s);
+      io.store(base + i, p);
+    }
+    st.m.scales[group] = codec::encode_moment_group(m, count, codes + base);
+  });
+}
+
+template <class Io>
+struct LionBody {
+  static void run(const ParamSpan& span, const MomentumStreams& st, const LionScalars& s) {
+    st.m.quantized() ? lion_8bit_state<Io>(span, st, s) : lion_fp32_state<Io>(span, st, s);
   }
 };
 
-void adamw_fp32_state(const ParamSpan& span, float* m, float* v, float* v_max,
-                      const codec::AdamWScalars& s) {
-  for_element_type<AdamWLoop>(span.type, span, m, v, v_max, s);
-}
-
-void sgd_fp32_state(const ParamSpan& span, float* buffer, const codec::SGDScalars& s) {
-  for_element_type<SGDLoop>(span.type, span, buffer, s);
-}
-
-void lion_fp32_state(const ParamSpan& span, float* m, const codec::LionScalars& s) {
-  for_element_type<LionLoop>(span.type, span, m, s);
+void lion(const ParamSpan& span, const MomentumStreams& st, const LionScalars& s) {
+  with_param_io<LionBody>(span, st.residual, span, st, s);
 }
 
 }  // namespace
@@ -127,11 +226,6 @@ void lion_fp32_state(const ParamSpan& span, float* m, const codec::LionScalars& 
 
 // extern: a namespace-scope const has internal linkage otherwise, and dispatch.cpp needs it.
 extern const CpuKernelTable kTable;
-const CpuKernelTable kTable = {
-    PO_STRINGIFY(PO_CPU_ISA),
-    &adamw_fp32_state,
-    &sgd_fp32_state,
-    &lion_fp32_state,
-};
+const CpuKernelTable kTable = {PO_STRINGIFY(PO_CPU_ISA), &adamw, &sgd, &lion};
 
 }  // namespace pagedoptim::kernels::PO_CPU_ISA

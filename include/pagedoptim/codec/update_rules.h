@@ -53,21 +53,34 @@ PO_HOST_DEVICE float lerp(float from, float to, float weight) {
   return weight < 0.5f ? fmaf(weight, to - from, from) : fmaf(weight - 1.0f, to - from, to);
 }
 
-// One AdamW element with fp32 state. `v_max` is read and written only when amsgrad is on.
+// One AdamW element. `v_denominator` and `v_max_denominator` are the previous v and v_max as
+// the denominator should see them: the state itself for fp32 state; for 8-bit state the
+// decode with a floor for code 0 (codec::decode_second_moment_for_denominator), so that a
+// v that rounded to 0 next to a larger neighbour cannot make m / sqrt(v) explode. The state
+// (m, v, v_max) is updated from the plain values. `v_max` is touched only with amsgrad.
 template <bool kAmsgrad>
-PO_HOST_DEVICE void adamw_element(float& param, float grad, float& m, float& v, float& v_max,
+PO_HOST_DEVICE void adamw_element(float& param, float grad, float& m, float& v,
+                                  float v_denominator, float& v_max, float v_max_denominator,
                                   const AdamWScalars& s) {
   grad *= s.grad_sign;
   param *= s.decay;
   m = lerp(m, grad, s.one_minus_beta1);
-  v = fmaf(s.one_minus_beta2 * grad, grad, v * s.beta2);
-  float second_moment = v;
+  const float grad_term = s.one_minus_beta2 * grad;
+  v = fmaf(grad_term, grad, v * s.beta2);
+  float second_moment = fmaf(grad_term, grad, v_denominator * s.beta2);
   if constexpr (kAmsgrad) {
     v_max = v_max > v ? v_max : v;
-    second_moment = v_max;
+    second_moment = v_max_denominator > second_moment ? v_max_denominator : second_moment;
   }
   const float denom = sqrtf(second_moment) / s.bias_correction2_sqrt + s.eps;
   param += (-s.step_size * m) / denom;
+}
+
+// fp32 state: the denominator sees the state itself.
+template <bool kAmsgrad>
+PO_HOST_DEVICE void adamw_element(float& param, float grad, float& m, float& v, float& v_max,
+                                  const AdamWScalars& s) {
+  adamw_element<kAmsgrad>(param, grad, m, v, v, v_max, v_max, s);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -57,15 +57,31 @@ struct MemoryUsage {
   int32_t num_params;
 };
 
+// Where the driver finds each logical stream inside a page of one kind (-1: absent). A
+// moment named X is either one fp32 stream "X" or, companded, "X_codes" + "X_scales".
+struct KindStreams {
+  struct Moment {
+    int values = -1;  // "X" (fp32) or "X_codes" (8-bit)
+    int scales = -1;  // "X_scales"; -1 for fp32 state
+  };
+  Moment m, v, v_max;  // AdamW: exp_avg, exp_avg_sq, max_exp_avg_sq; SGD/Lion use m only
+  int residual = -1;   // "master_residual"
+  int residual_bits = 0;
+};
+
 class PagedState {
  public:
-  // The stream set is fixed for the life of the state: AdamW {exp_avg, exp_avg_sq
-  // [, max_exp_avg_sq]}, SGD {momentum_buffer} or none, Lion {exp_avg}.
-  PagedState(OptimizerKind kind, std::vector<paging::StreamSpec> streams,
+  // One stream set per parameter kind, fixed for the life of the state. Moment names:
+  // AdamW exp_avg, exp_avg_sq [, max_exp_avg_sq]; SGD momentum_buffer (or no stream at all
+  // when momentum is 0); Lion exp_avg. Each as "X" (fp32) or "X_codes" (int8, or uint8 for
+  // second moments) plus "X_scales" (fp16 per group); optionally "master_residual" (int8 or
+  // int16) for bf16/fp16 parameters.
+  PagedState(OptimizerKind kind, std::vector<std::vector<paging::StreamSpec>> kinds,
              std::unique_ptr<paging::PageStore> store);
 
-  // Lays out zero-initialized state for a parameter of `numel` elements; returns its slot.
-  int32_t register_param(int64_t numel);
+  // Lays out zero-initialized state for a parameter of `numel` elements of kind `kind`;
+  // returns its slot.
+  int32_t register_param(int64_t numel, int kind = 0);
 
   void step_adamw(const std::vector<ParamStep>& params, const std::vector<AdamWGroup>& groups,
                   const ParallelFor& parallel_for);
@@ -74,16 +90,17 @@ class PagedState {
   void step_lion(const std::vector<ParamStep>& params, const std::vector<LionGroup>& groups,
                  const ParallelFor& parallel_for);
 
-  // Copies one stream of one parameter out of / into its pages, as the raw bytes of the
-  // stream (stream.bytes_for(numel) of them), in element order. Used by state_dict().
-  void read_stream(int32_t slot, int stream, void* out);
-  void write_stream(int32_t slot, int stream, const void* in);
+  // Copies the stream named `stream` of one parameter out of / into its pages, as the raw
+  // bytes of the stream (stream_bytes() of them), in element order. Used by state_dict().
+  void read_stream(int32_t slot, const std::string& stream, void* out);
+  void write_stream(int32_t slot, const std::string& stream, const void* in);
+  int64_t stream_bytes(int32_t slot, const std::string& stream) const;
 
   OptimizerKind kind() const { return kind_; }
   const paging::PageTable& table() const { return table_; }
   paging::PageStore& store() { return *store_; }
   MemoryUsage memory_usage() const;
-  int64_t stream_bytes(int32_t slot, int stream) const;
+  bool stateless() const { return stateless_; }
 
  private:
   // Calls apply(param_index, segment, page_bytes, chunk_begin, chunk_count) for every chunk
@@ -93,19 +110,23 @@ class PagedState {
                       const Apply& apply);
   void check_param(const ParamStep& param, size_t num_groups) const;
 
-  // Stream `stream` of element `begin` of `segment`, inside the resident `page`.
-  template <class T>
-  T* stream_ptr(int stream, std::byte* page, const paging::Segment& segment,
-                int64_t begin) const {
-    const paging::PageGeometry& geometry = table_.geometry();
-    return reinterpret_cast<T*>(page + geometry.stream_offset(stream) +
-                                geometry.streams()[size_t(stream)].offset_of(
-                                    segment.page_offset + begin));
-  }
+  // Stream `stream` (an index into the kind's streams, -1 for none) of element `begin` of
+  // `segment`, inside the resident `page` of kind `kind`; nullptr for stream -1.
+  void* stream_ptr(int kind, int stream, std::byte* page, const paging::Segment& segment,
+                   int64_t begin) const;
+  kernels::MomentStream moment_ptr(int kind, const KindStreams::Moment& moment,
+                                   std::byte* page, const paging::Segment& segment,
+                                   int64_t begin) const;
+  kernels::MasterResidual residual_ptr(int kind, std::byte* page,
+                                       const paging::Segment& segment, int64_t begin) const;
+  int find_stream_of(int32_t slot, const std::string& stream) const;
 
   OptimizerKind kind_;
+  bool stateless_;  // plain SGD: no streams in any kind, no pages at all
   paging::PageTable table_;
+  std::vector<KindStreams> kind_streams_;
   std::unique_ptr<paging::PageStore> store_;
+  int64_t steps_taken_ = 0;  // the parity picks the plan's scan direction
 };
 
 }  // namespace pagedoptim::optim

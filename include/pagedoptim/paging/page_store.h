@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstddef>
+#include <climits>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -25,6 +26,9 @@ class PageStore {
   // Makes `page` resident and returns its bytes; they stay valid until the matching unpin.
   virtual std::byte* pin(int32_t page) = 0;
   virtual void unpin(int32_t page, bool dirty) = 0;
+  // How many pages may be pinned at once (the driver pins its plan in batches of this
+  // size). A store with a budget returns what fits in it, at least 1.
+  virtual int32_t pin_limit() const { return INT32_MAX; }
 
   virtual int32_t num_pages() const = 0;
   virtual int64_t page_bytes() const = 0;

@@ -6,6 +6,10 @@
 // LoRA adapter's many small tensors share pages instead of each wasting most of one.
 // Segments start on a group boundary so quantization groups never straddle parameters.
 //
+// Parameters of different kinds (say bf16 weights that carry a master residual and fp32
+// norms that do not) hold different stream sets, so each kind has its own geometry and its
+// own open page; a page holds parameters of one kind only.
+//
 // Residency (which tier holds a page, dirty bits, pins) is the page store's business, not
 // this table's: the table is pure layout and never changes once a page is written.
 #pragma once
@@ -25,6 +29,7 @@ struct Segment {
 };
 
 struct Page {
+  int kind = 0;  // index into PageTable::geometry(kind)
   std::vector<Segment> segments;
   int64_t used_groups = 0;
 };
@@ -36,19 +41,23 @@ struct PagePiece {
 
 struct ParamLayout {
   int64_t numel = 0;
+  int kind = 0;
   std::vector<PagePiece> pieces;  // in element order
 };
 
 class PageTable {
  public:
-  explicit PageTable(PageGeometry geometry);
+  // One geometry per parameter kind; all of the same page size.
+  explicit PageTable(std::vector<PageGeometry> kinds);
 
-  // Lays out a new parameter of `numel` elements and returns its slot. Pages it opens are
-  // appended; the caller (the store) must then provide memory for pages [old num_pages(),
-  // num_pages()).
-  int32_t add_param(int64_t numel);
+  // Lays out a new parameter of `numel` elements and kind `kind` and returns its slot. Pages
+  // it opens are appended; the caller (the store) must then provide memory for pages
+  // [old num_pages(), num_pages()).
+  int32_t add_param(int64_t numel, int kind = 0);
 
-  const PageGeometry& geometry() const { return geometry_; }
+  int num_kinds() const { return int(kinds_.size()); }
+  const PageGeometry& geometry(int kind = 0) const { return kinds_[size_t(kind)]; }
+  int64_t page_bytes() const { return kinds_.front().page_bytes(); }
   int32_t num_pages() const { return int32_t(pages_.size()); }
   int32_t num_params() const { return int32_t(params_.size()); }
   const Page& page(int32_t id) const { return pages_[size_t(id)]; }
@@ -59,12 +68,13 @@ class PageTable {
 
  private:
   void place(int32_t slot, int64_t param_offset, int64_t count, int32_t page_id);
-  int32_t open_new_page_unshared();
+  int32_t open_new_page(int kind);
 
-  PageGeometry geometry_;
+  std::vector<PageGeometry> kinds_;
   std::vector<Page> pages_;
   std::vector<ParamLayout> params_;
-  int32_t open_page_ = -1;  // the page small parameters are packed into, -1 before any
+  // Per kind, the page its small parameters are packed into (-1 before any).
+  std::vector<int32_t> open_pages_;
 };
 
 }  // namespace pagedoptim::paging

@@ -16,6 +16,8 @@ PageGeometry adamw_geometry(int64_t page_bytes) {
   return PageGeometry({{"exp_avg", 128}, {"exp_avg_sq", 128}}, page_bytes);
 }
 
+std::vector<PageGeometry> one_kind(int64_t page_bytes) { return {adamw_geometry(page_bytes)}; }
+
 TEST(PageGeometry, StreamsAreAlignedAndFitThePage) {
   const PageGeometry g({{"codes", 32}, {"scales", 2, true}, {"v", 32}}, 8192);
   ASSERT_EQ(g.num_streams(), 3);
@@ -45,7 +47,7 @@ TEST(PageGeometry, StreamByteCounts) {
 }
 
 TEST(PageTable, PacksSmallParamsIntoSharedPages) {
-  PageTable table(adamw_geometry(4096));  // 2 fp32 streams: 16 groups = 512 elements a page
+  PageTable table(one_kind(4096));  // 2 fp32 streams: 16 groups = 512 elements a page
   ASSERT_EQ(table.geometry().capacity_elements(), 512);
   const int32_t a = table.add_param(100);  // 4 groups
   const int32_t b = table.add_param(33);   // 2 groups
@@ -58,7 +60,7 @@ TEST(PageTable, PacksSmallParamsIntoSharedPages) {
 }
 
 TEST(PageTable, SplitsLargeParamsAndPacksTheirRemainder) {
-  PageTable table(adamw_geometry(4096));
+  PageTable table(one_kind(4096));
   table.add_param(10);                       // opens page 0
   const int32_t big = table.add_param(1100);  // 2 full pages + 76 elements packed into page 0
   const ParamLayout& layout = table.param(big);
@@ -76,7 +78,7 @@ TEST(PageTable, SplitsLargeParamsAndPacksTheirRemainder) {
 }
 
 TEST(PageTable, NoSegmentOverlapsAnother) {
-  PageTable table(adamw_geometry(8192));
+  PageTable table(one_kind(8192));
   const int64_t sizes[] = {1, 31, 32, 33, 1000, 1024, 5000, 0, 7, 64, 2049};
   for (int64_t n : sizes) table.add_param(n);
   for (int32_t p = 0; p < table.num_pages(); ++p) {
@@ -87,6 +89,19 @@ TEST(PageTable, NoSegmentOverlapsAnother) {
       EXPECT_LE(next_free, table.geometry().capacity_elements());
     }
   }
+}
+
+TEST(PageTable, KindsNeverSharePages) {
+  PageTable table({adamw_geometry(4096),
+                   PageGeometry({{"exp_avg", 128}, {"exp_avg_sq", 128}, {"master_residual", 32}},
+                                4096)});
+  const int32_t plain = table.add_param(10, 0);
+  const int32_t with_residual = table.add_param(10, 1);
+  const int32_t plain_again = table.add_param(10, 0);
+  EXPECT_NE(table.param(plain).pieces[0].page, table.param(with_residual).pieces[0].page);
+  EXPECT_EQ(table.param(plain).pieces[0].page, table.param(plain_again).pieces[0].page);
+  EXPECT_EQ(table.page(table.param(with_residual).pieces[0].page).kind, 1);
+  EXPECT_THROW(table.add_param(10, 2), std::out_of_range);
 }
 
 TEST(HostPageStore, PagesAreAlignedZeroedAndPinCounted) {

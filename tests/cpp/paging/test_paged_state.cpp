@@ -31,7 +31,8 @@ const ParallelFor kTwoThreads = [](int64_t n,
 std::unique_ptr<PagedState> make_adamw_state(int64_t page_bytes, bool amsgrad) {
   std::vector<paging::StreamSpec> streams = {{"exp_avg", 128}, {"exp_avg_sq", 128}};
   if (amsgrad) streams.push_back({"max_exp_avg_sq", 128});
-  return std::make_unique<PagedState>(OptimizerKind::kAdamW, streams,
+  return std::make_unique<PagedState>(OptimizerKind::kAdamW,
+                                      std::vector<std::vector<paging::StreamSpec>>{streams},
                                       std::make_unique<paging::HostPageStore>(page_bytes));
 }
 
@@ -88,7 +89,7 @@ TEST(PagedState, AdamWMatchesScalarReferenceAcrossPages) {
     for (size_t i = 0; i < tensors.size(); ++i) {
       EXPECT_EQ(tensors[i].step, 5.0f);
       std::vector<float> m(tensors[i].param.size());
-      state->read_stream(slots[i], 0, m.data());
+      state->read_stream(slots[i], "exp_avg", m.data());
       for (size_t e = 0; e < m.size(); ++e) {
         // The vector kernels and this scalar loop evaluate the same expression with
         // contraction off, so they agree to the bit.
@@ -127,8 +128,10 @@ TEST(PagedState, EveryCompiledIsaGivesTheSameBits) {
         grad = g16.data();
       }
       const auto s = codec::make_adamw_scalars(1e-3, 0.9, 0.999, 1e-8, 0.01, 3, false);
-      table.adamw_fp32_state(kernels::ParamSpan{param, grad, n, type}, m.data(), v.data(),
-                             nullptr, s);
+      kernels::AdamWStreams streams;
+      streams.m.values = m.data();
+      streams.v.values = v.data();
+      table.adamw(kernels::ParamSpan{param, grad, n, type}, streams, s);
       std::vector<uint8_t> bytes(size_t(n) * 4);
       std::memcpy(bytes.data(), param, size_t(n) * (type == kernels::ElementType::kFloat32 ? 4 : 2));
       return bytes;
@@ -149,15 +152,16 @@ TEST(PagedState, StreamsRoundTripThroughPages) {
   const int32_t b = state->register_param(5);
   std::vector<float> values(700);
   for (size_t i = 0; i < values.size(); ++i) values[i] = float(i) * 0.5f;
-  state->write_stream(a, 1, values.data());
+  state->write_stream(a, "exp_avg_sq", values.data());
   std::vector<float> out(700, -1.0f);
-  state->read_stream(a, 1, out.data());
+  state->read_stream(a, "exp_avg_sq", out.data());
   EXPECT_EQ(out, values);
   std::vector<float> untouched(5, -1.0f);
-  state->read_stream(b, 1, untouched.data());
+  state->read_stream(b, "exp_avg_sq", untouched.data());
   EXPECT_EQ(untouched, std::vector<float>(5, 0.0f));
-  EXPECT_EQ(state->stream_bytes(a, 0), 700 * 4);
-  EXPECT_THROW(state->read_stream(2, 0, out.data()), std::out_of_range);
+  EXPECT_EQ(state->stream_bytes(a, "exp_avg"), 700 * 4);
+  EXPECT_THROW(state->read_stream(2, "exp_avg", out.data()), std::out_of_range);
+  EXPECT_THROW(state->read_stream(a, "momentum_buffer", out.data()), std::out_of_range);
 }
 
 TEST(PagedState, RejectsMismatchedParams) {

@@ -1,0 +1,72 @@
+// measure_sequential_bandwidth() runs end to end; the figures themselves are for the
+// benchmarks, which print them.
+#include <dirent.h>
+
+#include <cerrno>
+
+#include "test_io_util.h"
+
+namespace pagedoptim::io {
+namespace {
+
+size_t entries(const std::string& dir) {
+  size_t n = 0;
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (dirent* e = ::readdir(d)) {
+      n += e->d_name[0] != '.';
+    }
+    ::closedir(d);
+  }
+  return n;
+}
+
+class Bandwidth : public ::testing::TestWithParam<Backend> {};
+
+TEST_P(Bandwidth, SmallRunOnDiskAndShm) {
+  PO_SKIP_IF_REFUSED(GetParam());
+  std::vector<std::string> bases{test::tmp_base()};
+  if (test::has_dev_shm()) {
+    bases.push_back("/dev/shm");
+  }
+  for (const std::string& base : bases) {
+    SCOPED_TRACE(base);
+    test::TempDir dir(base);
+    ASSERT_TRUE(dir.ok());
+    BandwidthOptions options;
+    options.dir = dir.path();
+    options.file_bytes = (8 << 20) + 12345;
+    options.block_bytes = 1 << 20;
+    options.queue_depth = 4;
+    options.backend = GetParam();
+    const BandwidthResult r = measure_sequential_bandwidth(options);
+    ASSERT_EQ(r.error, 0);
+    EXPECT_EQ(r.backend, GetParam());
+    EXPECT_EQ(r.bytes, 8 << 20);
+    EXPECT_GT(r.write_gb_per_s, 0.0);
+    EXPECT_GT(r.read_gb_per_s, 0.0);
+    EXPECT_NE(r.direct, DirectStatus::kClosed);
+    EXPECT_EQ(entries(dir.path()), 0u) << "the scratch file must be gone";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, Bandwidth, ::testing::Values(Backend::kPosix, Backend::kIoUring),
+                         test::backend_param_name);
+
+TEST(BandwidthOptions, BadOptionsAreRefused) {
+  BandwidthOptions options;
+  options.dir = test::tmp_base();
+  options.block_bytes = 1000;
+  EXPECT_EQ(measure_sequential_bandwidth(options).error, -EINVAL);
+  options.block_bytes = 1 << 20;
+  options.file_bytes = 4096;
+  EXPECT_EQ(measure_sequential_bandwidth(options).error, -EINVAL);
+  options.file_bytes = 1 << 20;
+  options.queue_depth = 0;
+  EXPECT_EQ(measure_sequential_bandwidth(options).error, -EINVAL);
+  options.queue_depth = 2;
+  options.dir = "/nonexistent-pagedoptim-dir";
+  EXPECT_EQ(measure_sequential_bandwidth(options).error, -ENOENT);
+}
+
+}  // namespace
+}  // namespace pagedoptim::io
