@@ -1,29 +1,22 @@
-// Host launchers of the CUDA step kernels. Raw device pointers and the shared scalar
-// structs only: no torch header, so this builds with plain nvcc next to a CPU-only torch.
+// Host launchers of the CUDA step kernels: the same arguments as the CPU kernels
+// (pagedoptim/kernels/step_args.h, device pointers here) and the same element math, so the
+// two backends agree. No torch header: plain nvcc builds this next to a CPU-only torch.
 #pragma once
 
 #include <cuda_runtime.h>
 
-#include <cstdint>
-
 #include "pagedoptim/codec/update_rules.h"
+#include "pagedoptim/kernels/step_args.h"
 
 namespace pagedoptim::kernels::cuda {
 
-enum class ElementType : uint8_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
-
-// AdamW with fp32 state over `count` elements of one page segment. v_max may be nullptr
-// (amsgrad off). Returns the launch error, if any.
-cudaError_t launch_adamw_fp32_state(void* param, const void* grad, ElementType type,
-                                    int64_t count, float* m, float* v, float* v_max,
-                                    const codec::AdamWScalars& scalars, cudaStream_t stream);
-
-cudaError_t launch_sgd_fp32_state(void* param, const void* grad, ElementType type,
-                                  int64_t count, float* buffer,
-                                  const codec::SGDScalars& scalars, cudaStream_t stream);
-
-cudaError_t launch_lion_fp32_state(void* param, const void* grad, ElementType type,
-                                   int64_t count, float* m, const codec::LionScalars& scalars,
-                                   cudaStream_t stream);
+// Each launcher runs one kernel over one page segment's span on `stream` and returns the
+// launch error, if any. Spans start on a group boundary (the driver guarantees it).
+cudaError_t launch_adamw(const ParamSpan& span, const AdamWStreams& streams,
+                         const codec::AdamWScalars& scalars, cudaStream_t stream);
+cudaError_t launch_sgd(const ParamSpan& span, const MomentumStreams& streams,
+                       const codec::SGDScalars& scalars, cudaStream_t stream);
+cudaError_t launch_lion(const ParamSpan& span, const MomentumStreams& streams,
+                        const codec::LionScalars& scalars, cudaStream_t stream);
 
 }  // namespace pagedoptim::kernels::cuda

@@ -124,18 +124,28 @@ PO_HOST_DEVICE float decode_moment(int8_t code, float scale) {
 // Largest |value| of the group as an fp32 pattern: non-negative floats order like their bit
 // patterns, and inf/NaN patterns sort above every finite one, so one integer max finds both
 // the absmax and any non-finite element (and vectorizes without caring about NaN semantics).
+// The per-element key of that maximum; a CUDA warp reduces it across its lanes.
+PO_HOST_DEVICE uint32_t moment_order_bits(float value) {
+  return float_to_bits(value) & 0x7fffffffu;
+}
+
 PO_HOST_DEVICE uint32_t moment_absmax_bits(const float* PO_RESTRICT values, int count) {
   uint32_t largest = 0;
   for (int i = 0; i < count; ++i) {
-    const uint32_t magnitude = float_to_bits(values[i]) & 0x7fffffffu;
+    const uint32_t magnitude = moment_order_bits(values[i]);
     largest = magnitude > largest ? magnitude : largest;
   }
   return largest;
 }
 
+// fp16 scale pattern of a group whose largest moment_order_bits() is `largest`.
+PO_HOST_DEVICE uint16_t moment_scale_from_bits(uint32_t largest) {
+  return fp16_scale_at_least(bits_to_float(largest));
+}
+
 // fp16 scale pattern of a group of `count` <= kGroupSize first moments.
 PO_HOST_DEVICE uint16_t moment_group_scale(const float* PO_RESTRICT values, int count) {
-  return fp16_scale_at_least(bits_to_float(moment_absmax_bits(values, count)));
+  return moment_scale_from_bits(moment_absmax_bits(values, count));
 }
 
 // Encodes `count` <= kGroupSize values (a partial last group has count < kGroupSize) into
@@ -199,11 +209,22 @@ PO_HOST_DEVICE uint32_t second_moment_max_bits(const float* PO_RESTRICT values, 
   return negative ? 0xffffffffu : largest;
 }
 
-// fp16 scale pattern (a scale of sqrt(v)) of a group of `count` <= kGroupSize second moments.
-PO_HOST_DEVICE uint16_t second_moment_group_scale(const float* PO_RESTRICT values, int count) {
-  const uint32_t largest = second_moment_max_bits(values, count);
+// The per-element key of that maximum (a negative value maps above every other key); a
+// CUDA warp reduces it across its lanes.
+PO_HOST_DEVICE uint32_t second_moment_order_bits(float value) {
+  const uint32_t bits = float_to_bits(value);
+  return bits > 0x80000000u ? 0xffffffffu : bits & 0x7fffffffu;
+}
+
+// fp16 scale pattern (a scale of sqrt(v)) of a group whose largest key is `largest`.
+PO_HOST_DEVICE uint16_t second_moment_scale_from_bits(uint32_t largest) {
   if (largest >= 0x7f800000u) return kScaleNaN;  // inf, NaN or a negative value
   return fp16_scale_at_least(sqrtf(bits_to_float(largest)));
+}
+
+// fp16 scale pattern (a scale of sqrt(v)) of a group of `count` <= kGroupSize second moments.
+PO_HOST_DEVICE uint16_t second_moment_group_scale(const float* PO_RESTRICT values, int count) {
+  return second_moment_scale_from_bits(second_moment_max_bits(values, count));
 }
 
 PO_HOST_DEVICE uint16_t encode_second_moment_group(const float* PO_RESTRICT values, int count,
