@@ -135,7 +135,8 @@ void PagedState::check_param(const ParamStep& param, size_t num_groups) const {
     throw std::out_of_range("group index " + std::to_string(param.group) + " out of range");
   }
   if (param.step == nullptr) throw std::invalid_argument("step counter must not be null");
-  if (stateless_) return;
+  // Only SGD has stateless parameters (momentum 0, no master residual); they have no slot.
+  if (stateless_ || (kind_ == OptimizerKind::kSGD && param.slot < 0)) return;
   if (param.slot < 0 || param.slot >= table_.num_params()) {
     throw std::out_of_range("parameter slot " + std::to_string(param.slot) + " is not registered");
   }
@@ -277,7 +278,7 @@ void PagedState::step_sgd(const std::vector<ParamStep>& params,
   for (const ParamStep& param : params) {
     check_param(param, groups.size());
     if (groups[size_t(param.group)].momentum != 0.0 &&
-        (stateless_ || kind_streams_[size_t(table_.param(param.slot).kind)].m.values < 0)) {
+        (param.slot < 0 || kind_streams_[size_t(table_.param(param.slot).kind)].m.values < 0)) {
       throw std::invalid_argument(
           "momentum was turned on after the first step; the state has no momentum_buffer");
     }
@@ -292,14 +293,22 @@ void PagedState::step_sgd(const std::vector<ParamStep>& params,
                                               g.nesterov, g.maximize, first_step));
   }
   const kernels::CpuKernelTable& kernel = kernels::cpu_kernels();
-  if (stateless_) {
-    // No pages: the chunks are cut from the parameters directly.
-    std::vector<std::pair<size_t, int64_t>> items;
-    for (size_t p = 0; p < params.size(); ++p) {
-      for (int64_t begin = 0; begin < params[p].span.count; begin += kChunkElements) {
-        items.emplace_back(p, begin);
-      }
+  // Parameters without state (momentum 0 and no master residual) have no slot and no
+  // pages: their chunks are cut from the parameters directly.
+  std::vector<ParamStep> paged;
+  std::vector<size_t> paged_index;
+  std::vector<std::pair<size_t, int64_t>> items;
+  for (size_t p = 0; p < params.size(); ++p) {
+    if (params[p].slot >= 0) {
+      paged.push_back(params[p]);
+      paged_index.push_back(p);
+      continue;
     }
+    for (int64_t begin = 0; begin < params[p].span.count; begin += kChunkElements) {
+      items.emplace_back(p, begin);
+    }
+  }
+  if (!items.empty()) {
     parallel_for(int64_t(items.size()), [&](int64_t first, int64_t last) {
       for (int64_t i = first; i < last; ++i) {
         const auto [p, begin] = items[size_t(i)];
@@ -309,11 +318,12 @@ void PagedState::step_sgd(const std::vector<ParamStep>& params,
                    kernels::MomentumStreams{}, scalars[p]);
       }
     });
-    return;
   }
-  for_each_chunk(params, parallel_for,
-                 [&](size_t p, const paging::Segment& segment, std::byte* page, int64_t begin,
+  if (paged.empty()) return;
+  for_each_chunk(paged, parallel_for,
+                 [&](size_t q, const paging::Segment& segment, std::byte* page, int64_t begin,
                      int64_t count) {
+                   const size_t p = paged_index[q];
                    const int kind = table_.param(params[p].slot).kind;
                    kernels::MomentumStreams streams;
                    if (groups[size_t(params[p].group)].momentum != 0.0) {

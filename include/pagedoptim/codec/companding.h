@@ -175,8 +175,16 @@ PO_HOST_DEVICE uint8_t encode_second_moment(float value, float inverse_scale) {
   return uint8_t(int32_t(round_half_even(code)));
 }
 
+// sqrt(v) of a code. q * (s / 255) can round one fp32 ulp above s at q = 255; capping the
+// root at s keeps decode -> encode idempotent (s is an fp16 value, so s * s is exact in fp32
+// and sqrt gives s back, whose fp16 scale is s again). The select keeps a NaN scale NaN.
+PO_HOST_DEVICE float second_moment_root(float code, float scale) {
+  const float root = code * (scale * (1.0f / kSecondMomentCodeMax));
+  return root < scale ? root : scale;
+}
+
 PO_HOST_DEVICE float decode_second_moment(uint8_t code, float scale) {
-  const float root = float(code) * (scale * (1.0f / kSecondMomentCodeMax));
+  const float root = second_moment_root(float(code), scale);
   return root * root;
 }
 
@@ -190,7 +198,7 @@ PO_HOST_DEVICE float decode_second_moment(uint8_t code, float scale) {
 PO_HOST_DEVICE float decode_second_moment_for_denominator(uint8_t code, float scale) {
   float q = float(code);
   q = q > 0.5f ? q : 0.5f;
-  const float root = q * (scale * (1.0f / kSecondMomentCodeMax));
+  const float root = second_moment_root(q, scale);
   return root * root;
 }
 
