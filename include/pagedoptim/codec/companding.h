@@ -193,7 +193,7 @@ PO_HOST_DEVICE float decode_second_moment(uint8_t code, float scale) {
 // (0.5/255 * s)^2, instead of 0. Call pattern of the AdamW kernel, per element:
 //   v_state = beta2 * decode_second_moment(q, s) + (1 - beta2) * g * g;  // re-encoded
 //   v_denom = beta2 * decode_second_moment_for_denominator(q, s) + (1 - beta2) * g * g;
-//   denom   = sqrtf(v_denom) / bias_correction2_sqrt + eps;
+//   denom   = sqrtf(v_denom) + eps * sqrt(1 - beta2^t);   (see AdamWScalars)
 // A NaN scale gives NaN, as the plain decode does.
 PO_HOST_DEVICE float decode_second_moment_for_denominator(uint8_t code, float scale) {
   float q = float(code);

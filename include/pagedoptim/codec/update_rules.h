@@ -16,15 +16,19 @@ namespace pagedoptim::codec {
 // AdamW (decoupled weight decay), torch.optim.AdamW's math:
 //   p *= 1 - lr*wd;  m = lerp(m, g, 1-beta1);  v = beta2*v + (1-beta2)*g*g
 //   denom = sqrt(max(v)) / sqrt(1-beta2^t) + eps;  p -= lr/(1-beta1^t) * m / denom
+// (evaluated with the bias corrections folded into two scalars, see AdamWScalars)
 struct AdamWScalars {
   float decay;             // 1 - lr * weight_decay
   float beta1;
   float one_minus_beta1;   // lerp weight
   float beta2;
   float one_minus_beta2;
-  float step_size;         // lr / (1 - beta1^t)
-  float bias_correction2_sqrt;  // sqrt(1 - beta2^t)
-  float eps;
+  // lr / (1 - beta1^t) * sqrt(1 - beta2^t), negated, and eps * sqrt(1 - beta2^t): torch's
+  //   p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)
+  // multiplied through by sqrt(bc2), which leaves one division per element instead of two
+  // (the step is division-bound on CPUs) and changes the result by rounding only.
+  float neg_scaled_step;
+  float scaled_eps;
   float grad_sign;         // -1 when maximizing
 };
 
@@ -39,10 +43,9 @@ inline AdamWScalars make_adamw_scalars(double lr, double beta1, double beta2, do
   s.beta2 = float(beta2);
   s.one_minus_beta2 = float(1.0 - beta2);
   const double bias_correction1 = 1.0 - std::pow(beta1, double(step));
-  const double bias_correction2 = 1.0 - std::pow(beta2, double(step));
-  s.step_size = float(lr / bias_correction1);
-  s.bias_correction2_sqrt = float(std::sqrt(bias_correction2));
-  s.eps = float(eps);
+  const double bias_correction2_sqrt = std::sqrt(1.0 - std::pow(beta2, double(step)));
+  s.neg_scaled_step = float(-lr / bias_correction1 * bias_correction2_sqrt);
+  s.scaled_eps = float(eps * bias_correction2_sqrt);
   s.grad_sign = maximize ? -1.0f : 1.0f;
   return s;
 }
@@ -72,8 +75,7 @@ PO_HOST_DEVICE void adamw_element(float& param, float grad, float& m, float& v,
     v_max = v_max > v ? v_max : v;
     second_moment = v_max_denominator > second_moment ? v_max_denominator : second_moment;
   }
-  const float denom = sqrtf(second_moment) / s.bias_correction2_sqrt + s.eps;
-  param += (-s.step_size * m) / denom;
+  param += (s.neg_scaled_step * m) / (sqrtf(second_moment) + s.scaled_eps);
 }
 
 // fp32 state: the denominator sees the state itself.
