@@ -22,6 +22,11 @@ echo "== C++ tests under ASan + UBSan"
 core_build build/cpp-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DPAGEDOPTIM_SANITIZE=address;undefined"
 ctest --test-dir build/cpp-asan --output-on-failure -j "$JOBS"
 
+# The io engines and the pager run threads of their own.
+echo "== C++ tests under TSan"
+core_build build/cpp-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPAGEDOPTIM_SANITIZE=thread
+ctest --test-dir build/cpp-tsan --output-on-failure -j "$JOBS"
+
 if command -v nvcc >/dev/null 2>&1; then
   echo "== CUDA kernels compile (nvcc $(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'))"
   cmake -S . -B build/cuda -G Ninja -DPAGEDOPTIM_BUILD_PYTHON=OFF -DPAGEDOPTIM_WITH_CUDA=ON \
