@@ -5,7 +5,8 @@ skewadam_rules.h, written with tensor ops on fp32 state, one parameter at a time
 `momentum_codec` emulates the 8-bit momentum: a pair (encode, decode) applied to the
 momentum after every update (pagedoptim._C.encode_moment / decode_moment for the kernels'
 companding). `factor_floor` switches the epsilon to the alternative that docs/skewadam.md
-measures: no eps on g^2, and the row and column means floored at `factor_floor` instead.
+measures: no eps on g^2, and the row and column means (and exact second moments) floored
+at `factor_floor` instead.
 The master residual of bf16 parameters is not modelled: parameters are updated in fp32.
 """
 
@@ -57,7 +58,8 @@ class SkewAdamReference:
         else:
             v = state.setdefault("exp_avg_sq", torch.zeros_like(g))
             v.mul_(_f32(beta2)).add_(self._squared(g), alpha=_f32(1.0 - beta2))
-            denom = v.sqrt() / _f32(math.sqrt(bias_correction2))
+            v_used = v if self.factor_floor is None else v.clamp(min=self.factor_floor)
+            denom = v_used.sqrt() / _f32(math.sqrt(bias_correction2))
             if layout.momentum:
                 m = self._momentum_update(state, g, beta1)
                 w.add_((m * -_f32(self.lr / bias_correction1)) / denom)
