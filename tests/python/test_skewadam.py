@@ -259,3 +259,27 @@ def test_state_dict_with_missing_factors_is_rejected():
     del saved["state"][2]["exp_avg_sq_row"]
     with pytest.raises(ValueError, match="param 2 has no 'exp_avg_sq_row'"):
         po.SkewAdam(list(params.items())).load_state_dict(saved)
+
+
+def test_release_grads_steps_like_step():
+    # Gradient release steps each parameter inside backward: the same updates as one step()
+    # over all of them, since SkewAdam's statistics are per parameter.
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    results = []
+    for release in (False, True):
+        params = mixed_model()
+        opt = po.SkewAdam(list(params.items()), lr=1e-2, release_grads=release)
+        for _ in range(3):
+            h = x @ params["model.embed_tokens.weight"].t()[:16, :16]
+            h = h @ params["model.layers.0.mlp.experts.gate_up_proj"][1].t()
+            h = h[:, :12] @ params["model.layers.0.mlp.experts.down_proj"][2].t()
+            loss = (h.square().mean() + params["model.layers.0.mlp.gate.weight"].sum()
+                    + params["model.layers.0.input_layernorm.weight"].square().sum()
+                    + params["model.layers.0.mlp.experts.bias"].square().sum())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        results.append({k: v.detach().clone() for k, v in params.items()})
+    for name in results[0]:
+        assert torch.equal(results[0][name], results[1][name]), name
