@@ -283,3 +283,28 @@ def test_release_grads_steps_like_step():
         results.append({k: v.detach().clone() for k, v in params.items()})
     for name in results[0]:
         assert torch.equal(results[0][name], results[1][name]), name
+
+
+@pytest.mark.parametrize("tier,shape", [("backbone", (70, 50)), ("experts", (3, 40, 50)),
+                                        ("experts", (37,)), ("router", (8, 24))])
+def test_bf16_params_within_twice_plain_bf16_error(tier, shape):
+    # flash-attention's rule: against the fp32 reference, the bf16 path (bf16 weight + int8
+    # master residual) may be off by at most twice what a plain bf16 implementation is.
+    generator = torch.Generator().manual_seed(7)
+    start = torch.randn(shape, generator=generator).to(torch.bfloat16).float()
+    ours_p = torch.nn.Parameter(start.to(torch.bfloat16))
+    fp32_p = torch.nn.Parameter(start.clone())
+    bf16_p = torch.nn.Parameter(start.to(torch.bfloat16))
+    ours = po.SkewAdam([{"params": [ours_p], "tier": tier}], lr=LR, betas=BETAS,
+                       weight_decay=WD, state_bits=32, master_bits=24)
+    fp32 = SkewAdamReference([(fp32_p, tier)], lr=LR, betas=BETAS, weight_decay=WD)
+    bf16 = SkewAdamReference([(bf16_p, tier)], lr=LR, betas=BETAS, weight_decay=WD)
+    for g in grads_for(shape, 20, seed=3):
+        ours_p.grad = g.to(torch.bfloat16)
+        bf16_p.grad = g.to(torch.bfloat16)
+        fp32_p.grad = g.to(torch.bfloat16).float()
+        for opt in (ours, fp32, bf16):
+            opt.step()
+    ours_error = update_error(start, ours_p.float(), fp32_p)
+    plain_error = update_error(start, bf16_p.float(), fp32_p)
+    assert ours_error <= 2 * plain_error, (ours_error, plain_error)
