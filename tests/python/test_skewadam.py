@@ -308,3 +308,23 @@ def test_bf16_params_within_twice_plain_bf16_error(tier, shape):
     ours_error = update_error(start, ours_p.float(), fp32_p)
     plain_error = update_error(start, bf16_p.float(), fp32_p)
     assert ours_error <= 2 * plain_error, (ours_error, plain_error)
+
+
+@pytest.mark.parametrize("state_bits", [8, 32])
+def test_page_size_never_changes_results(state_bits):
+    # Pages only decide where state lives and how the elementwise pass is chunked; the
+    # statistics are per matrix and the 8-bit groups never straddle a segment.
+    results = []
+    for page_bytes in (4096, 12288, 2 << 20):
+        params = mixed_model(torch.bfloat16)
+        params["model.lm_head.weight"] = torch.nn.Parameter(torch.randn(300, 40))
+        opt = po.SkewAdam(list(params.items()), lr=1e-2, weight_decay=0.1,
+                          state_bits=state_bits, page_bytes=page_bytes)
+        step_mixed(opt, params, 3, seed=4)
+        results.append(({k: v.detach().clone() for k, v in params.items()},
+                        opt.state_dict()["state"]))
+    for params, state in results[1:]:
+        for name in params:
+            assert torch.equal(params[name], results[0][0][name]), name
+        for index in state:
+            assert all_equal(state[index], results[0][1][index]), index
