@@ -109,12 +109,14 @@ void PagedState::step_skewadam(const std::vector<SkewAdamParamStep>& params,
   };
   std::vector<std::vector<float>> factors(params.size());
   std::vector<std::vector<float>> coefficients(params.size());
+  std::vector<std::vector<float>> scratch(params.size());  // [experts * cols]
   std::vector<Matrix> matrices;
   for (size_t i = 0; i < params.size(); ++i) {
     const SkewAdamParamStep& p = params[i];
     if (p.factor_slot < 0) continue;
     factors[i].resize(size_t(p.experts * (p.rows + p.cols)));
     coefficients[i].resize(factors[i].size());
+    scratch[i].resize(size_t(p.experts * p.cols));
     read_stream(p.factor_slot, kFactorStream, factors[i].data());
     for (int64_t e = 0; e < p.experts; ++e) matrices.push_back(Matrix{i, e});
   }
@@ -134,7 +136,8 @@ void PagedState::step_skewadam(const std::vector<SkewAdamParamStep>& params,
           state + matrix.expert * p.rows,
           state + all_rows + matrix.expert * p.cols,
           coef + matrix.expert * p.rows,
-          coef + all_rows + matrix.expert * p.cols};
+          coef + all_rows + matrix.expert * p.cols,
+          scratch[matrix.param].data() + matrix.expert * p.cols};
       kernel.factor_statistics(f, scalars[matrix.param]);
     }
   });

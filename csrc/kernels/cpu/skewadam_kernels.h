@@ -24,6 +24,7 @@ struct FactorStatistics {
   float* col_means;   // [cols] running means C, updated in place
   float* row_coef;    // [rows] out: clip / sqrt(R_i / (mean(R) * bc2))
   float* col_coef;    // [cols] out: 1 / sqrt(C_j); holds the column sums while they add up
+  float* col_scratch; // [cols] scratch
 };
 
 // The coefficients of a whole factored parameter, [experts * rows] and [experts * cols],

@@ -1,10 +1,10 @@
 // SkewAdam's CPU kernels, compiled once per ISA like step_kernels_isa.cpp (this file is built
 // with -DPO_CPU_ISA=<name> and that ISA's -m flags; skewadam_dispatch.cpp picks the table).
 //
-// Reductions (row sums, column sums, the update's sum of squares) accumulate in kLanes
-// independent fp32 partial sums per row: the loop over a row's lanes is then plain
-// elementwise work that GCC vectorizes without -ffast-math, and each row's total goes into a
-// double, so a matrix of millions of elements loses no more than a row's worth of rounding.
+// Row sums accumulate in kLanes independent fp32 partial sums: the loop over a row's lanes is
+// then plain elementwise work that GCC vectorizes without -ffast-math. The statistics take
+// one pass over the gradient (the update's RMS comes from per-column sums, see
+// factor_statistics_typed), as reading a large gradient twice costs more than the math.
 // The elementwise kernels walk their span in groups of kGroupSize (the 8-bit momentum's
 // quantization groups); a group may cross rows, so its directions are filled row run by row
 // run, each run a vectorizable loop with one row coefficient.
@@ -37,7 +37,13 @@ void factor_statistics_typed(const FactorStatistics& f, const SkewAdamScalars& s
   const int64_t cols = f.cols;
   const int64_t full_cols = cols / kLanes * kLanes;
   float* PO_RESTRICT col_sums = f.col_coef;
+  // weighted_j = sum_i g_ij^2 / R_i, so that the update's sum of squares,
+  // sum_ij g_ij^2 a_i^2 b_j^2 with a_i^2 = 1 / (R_i * inverse_norm) and b_j^2 = 1 / C_j,
+  // is sum_j weighted_j / C_j / inverse_norm: known after this one pass over the gradient.
+  // R_i depends on row i alone, so the second loop over a row reads it back from L1.
+  float* PO_RESTRICT weighted = f.col_scratch;
   std::fill(col_sums, col_sums + cols, 0.0f);
+  std::fill(weighted, weighted + cols, 0.0f);
 
   double row_mean_sum = 0.0;
   for (int64_t i = 0; i < rows; ++i) {
@@ -57,44 +63,28 @@ void factor_statistics_typed(const FactorStatistics& f, const SkewAdamScalars& s
     }
     float row_sum = 0.0f;
     for (int l = 0; l < kLanes; ++l) row_sum += lanes[l];
-    f.row_means[i] = codec::skewadam_running_mean(f.row_means[i], row_sum / float(cols), s);
-    row_mean_sum += double(f.row_means[i]);
+    const float row_mean = codec::skewadam_running_mean(f.row_means[i], row_sum / float(cols), s);
+    f.row_means[i] = row_mean;
+    row_mean_sum += double(row_mean);
+    const float inverse_row_mean = 1.0f / row_mean;
+    for (int64_t j = 0; j < cols; ++j) {
+      const float g = Access::load(row, j);
+      weighted[j] += g * g * inverse_row_mean;
+    }
   }
 
   const float inverse_norm = codec::skewadam_inverse_norm(row_mean_sum, long(rows), s);
+  double sum_of_squares = 0.0;
   for (int64_t j = 0; j < cols; ++j) {
     f.col_means[j] = codec::skewadam_running_mean(f.col_means[j], col_sums[j] / float(rows), s);
     f.col_coef[j] = codec::skewadam_col_coefficient(f.col_means[j]);
+    sum_of_squares += double(weighted[j]) / double(f.col_means[j]);
   }
-  for (int64_t i = 0; i < rows; ++i) {
-    f.row_coef[i] = codec::skewadam_row_coefficient(f.row_means[i], inverse_norm);
-  }
-
-  // The update's RMS over the matrix, then the clip folded into the row coefficients.
-  const float* PO_RESTRICT col_coef = f.col_coef;
-  double sum_of_squares = 0.0;
-  for (int64_t i = 0; i < rows; ++i) {
-    const Storage* PO_RESTRICT row = grad + i * cols;
-    const float row_coef = f.row_coef[i];
-    float lanes[kLanes] = {};
-    for (int64_t j = 0; j < full_cols; j += kLanes) {
-      for (int l = 0; l < kLanes; ++l) {
-        const float u =
-            codec::skewadam_factored_direction(Access::load(row, j + l), row_coef, col_coef[j + l]);
-        lanes[l] += u * u;
-      }
-    }
-    for (int64_t j = full_cols; j < cols; ++j) {
-      const float u = codec::skewadam_factored_direction(Access::load(row, j), row_coef, col_coef[j]);
-      lanes[0] += u * u;
-    }
-    float row_sum = 0.0f;
-    for (int l = 0; l < kLanes; ++l) row_sum += lanes[l];
-    sum_of_squares += double(row_sum);
-  }
+  sum_of_squares /= double(inverse_norm);
+  // Clip folded into the row coefficients.
   const float clip = codec::skewadam_clip_factor(sum_of_squares, double(rows) * double(cols));
-  if (clip < 1.0f) {
-    for (int64_t i = 0; i < rows; ++i) f.row_coef[i] *= clip;
+  for (int64_t i = 0; i < rows; ++i) {
+    f.row_coef[i] = codec::skewadam_row_coefficient(f.row_means[i], inverse_norm) * clip;
   }
 }
 

@@ -77,13 +77,15 @@ TEST(SkewAdamKernels, StatisticsMatchDoubleReferenceOnEveryIsa) {
       std::vector<float> row(size_t(rows), 0.0f), col(size_t(cols), 0.0f);
       std::vector<double> ref_row(size_t(rows), 0.0), ref_col(size_t(cols), 0.0);
       std::vector<float> row_coef(static_cast<size_t>(rows)), col_coef(static_cast<size_t>(cols));
+      std::vector<float> scratch(static_cast<size_t>(cols));
       for (long step = 1; step <= 3; ++step) {
         const std::vector<float> grad = random_grad(rows * cols, rng, cols);
         const codec::SkewAdamScalars s =
             codec::make_skewadam_scalars(kLr, kBeta1, kBeta2, kEps, kWd, step);
         table->factor_statistics(kernels::FactorStatistics{grad.data(), kernels::ElementType::kFloat32,
                                                            rows, cols, row.data(), col.data(),
-                                                           row_coef.data(), col_coef.data()},
+                                                           row_coef.data(), col_coef.data(),
+                                                           scratch.data()},
                                  s);
         const std::vector<double> u = reference_directions(grad.data(), rows, cols, ref_row,
                                                            ref_col, step);
