@@ -22,7 +22,9 @@ OptimizerKind parse_kind(const std::string& kind) {
   if (kind == "adamw") return OptimizerKind::kAdamW;
   if (kind == "sgd") return OptimizerKind::kSGD;
   if (kind == "lion") return OptimizerKind::kLion;
-  TORCH_CHECK_VALUE(false, "optimizer kind must be 'adamw', 'sgd' or 'lion', got '", kind, "'");
+  if (kind == "skewadam") return OptimizerKind::kSkewAdam;
+  TORCH_CHECK_VALUE(false, "optimizer kind must be 'adamw', 'sgd', 'lion' or 'skewadam', got '",
+                    kind, "'");
 }
 
 kernels::ElementType element_type(const at::Tensor& t, const char* what, size_t index) {
@@ -99,6 +101,10 @@ void run_step(optim::PagedState& state, const std::vector<at::Tensor>& params,
 using AdamWGroupTuple = std::tuple<double, double, double, double, double, bool, bool>;
 using SGDGroupTuple = std::tuple<double, double, double, double, bool, bool>;
 using LionGroupTuple = std::tuple<double, double, double, double, bool>;
+using SkewAdamGroupTuple = std::tuple<double, double, double, double, double>;
+// Per parameter: factor slot (-1: exact second moment), factored shape (experts, rows, cols),
+// and whether it keeps momentum.
+using SkewAdamLayoutTuple = std::tuple<int64_t, int64_t, int64_t, int64_t, bool>;
 
 std::vector<optim::AdamWGroup> to_groups(const std::vector<AdamWGroupTuple>& in) {
   std::vector<optim::AdamWGroup> out;
@@ -122,6 +128,35 @@ std::vector<optim::LionGroup> to_groups(const std::vector<LionGroupTuple>& in) {
     out.push_back(optim::LionGroup{lr, beta1, beta2, wd, maximize});
   }
   return out;
+}
+
+std::vector<optim::SkewAdamGroup> to_groups(const std::vector<SkewAdamGroupTuple>& in) {
+  std::vector<optim::SkewAdamGroup> out;
+  for (const auto& [lr, beta1, beta2, eps, wd] : in) {
+    out.push_back(optim::SkewAdamGroup{lr, beta1, beta2, eps, wd});
+  }
+  return out;
+}
+
+void step_skewadam(optim::PagedState& state, const std::vector<at::Tensor>& params,
+                   const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& steps,
+                   const std::vector<int64_t>& slots, const std::vector<int64_t>& groups,
+                   const std::vector<SkewAdamGroupTuple>& hyper,
+                   const std::vector<SkewAdamLayoutTuple>& layouts) {
+  const std::vector<optim::SkewAdamGroup> group_values = to_groups(hyper);
+  const std::vector<optim::ParamStep> param_steps =
+      to_param_steps(params, grads, steps, slots, groups, group_values.size());
+  TORCH_CHECK_VALUE(layouts.size() == param_steps.size(), "layouts must have one entry per "
+                    "parameter, got ", layouts.size(), " for ", param_steps.size());
+  std::vector<optim::SkewAdamParamStep> skew_steps;
+  skew_steps.reserve(param_steps.size());
+  for (size_t i = 0; i < param_steps.size(); ++i) {
+    const auto& [factor_slot, experts, rows, cols, momentum] = layouts[i];
+    skew_steps.push_back(optim::SkewAdamParamStep{param_steps[i], int32_t(factor_slot), experts,
+                                                  rows, cols, momentum});
+  }
+  pybind11::gil_scoped_release no_gil;
+  state.step_skewadam(skew_steps, group_values, torch_parallel_for());
 }
 
 }  // namespace
@@ -174,6 +209,11 @@ void bind_paged_state(pybind11::module_& m) {
              run_step(s, params, grads, steps, slots, groups, to_groups(hyper),
                       &PagedState::step_lion);
            })
+      .def("step_skewadam", &step_skewadam, py::arg("params"), py::arg("grads"),
+           py::arg("steps"), py::arg("slots"), py::arg("groups"), py::arg("hyperparameters"),
+           py::arg("layouts"),
+           "hyperparameters: per group (lr, beta1, beta2, eps, weight_decay); layouts: per "
+           "param (factor slot or -1, experts, rows, cols, momentum)")
       .def("read_stream",
            [](PagedState& s, int32_t slot, const std::string& stream) {
              at::Tensor out = at::empty({s.stream_bytes(slot, stream)}, at::kByte);

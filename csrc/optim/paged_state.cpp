@@ -66,6 +66,11 @@ KindStreams resolve_streams(const paging::PageGeometry& geometry, OptimizerKind 
         (k.v_max.values >= 0 && (k.v_max.scales < 0) != (k.m.scales < 0))) {
       throw std::invalid_argument("AdamW moments must all be fp32 or all be companded");
     }
+  } else if (kind == OptimizerKind::kSkewAdam) {
+    // Any subset: a kind per tier and rank, see SkewAdamParamStep.
+    k.m = moment("exp_avg");
+    k.v.values = geometry.find_stream("exp_avg_sq");
+    k.factors = geometry.find_stream("exp_avg_sq_factors");
   } else {
     k.m = moment(kind == OptimizerKind::kSGD ? "momentum_buffer" : "exp_avg");
     if (kind == OptimizerKind::kLion && geometry.num_streams() > 0 && k.m.values < 0) {
@@ -221,6 +226,11 @@ void PagedState::for_each_chunk(const std::vector<ParamStep>& params,
     next_item = items_end;
     for (size_t i = batch_begin; i < batch_end; ++i) store_->unpin(plan[i], /*dirty=*/true);
   }
+}
+
+void PagedState::for_each_chunk_of(const std::vector<ParamStep>& params,
+                                   const ParallelFor& parallel_for, const ChunkFn& apply) {
+  for_each_chunk(params, parallel_for, apply);
 }
 
 namespace {

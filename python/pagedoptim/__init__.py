@@ -4,6 +4,7 @@ from pagedoptim.adamw import AdamW
 from pagedoptim.lion import Lion
 from pagedoptim.optimizer import PagedOptimizer
 from pagedoptim.sgd import SGD
+from pagedoptim.skewadam import SkewAdam
 
-__all__ = ["AdamW", "Lion", "PagedOptimizer", "SGD"]
+__all__ = ["AdamW", "Lion", "PagedOptimizer", "SGD", "SkewAdam"]
 __version__ = "0.1.0"

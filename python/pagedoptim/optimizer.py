@@ -328,8 +328,12 @@ class PagedOptimizer(torch.optim.Optimizer):
             state_dict["state"][index] = converted
         return state_dict
 
+    def _state_stream_names(self) -> set[str]:
+        """The state_dict keys that hold page streams (scattered into the engine on load)."""
+        return state_format.all_stream_names(self._all_moments())
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        names = state_format.all_stream_names(self._all_moments())
+        names = self._state_stream_names()
         streams: dict[int, dict[str, torch.Tensor]] = {}
         stripped_state: dict[Any, dict[str, Any]] = {}
         for index, value in state_dict["state"].items():

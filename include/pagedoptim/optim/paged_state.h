@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kernels/cpu/step_kernels.h"
+#include "pagedoptim/codec/skewadam_rules.h"
 #include "pagedoptim/paging/page_store.h"
 #include "pagedoptim/paging/page_table.h"
 
@@ -25,7 +26,7 @@ namespace pagedoptim::optim {
 using ParallelFor =
     std::function<void(int64_t n, const std::function<void(int64_t begin, int64_t end)>&)>;
 
-enum class OptimizerKind { kAdamW, kSGD, kLion };
+enum class OptimizerKind { kAdamW, kSGD, kLion, kSkewAdam };
 
 struct ParamStep {
   int32_t slot;             // from PagedState::register_param
@@ -49,6 +50,22 @@ struct LionGroup {
   bool maximize;
 };
 
+struct SkewAdamGroup {
+  double lr, beta1, beta2, eps, weight_decay;
+};
+
+// A SkewAdam parameter (codec/skewadam_rules.h). `step.slot` is -1 for a parameter without
+// per-element state (an fp32 experts-tier matrix keeps only its factors). A factored
+// parameter has its row and column running means, [experts * rows] then [experts * cols]
+// fp32, in the "exp_avg_sq_factors" stream of `factor_slot`; an exact one has factor_slot -1
+// and its second moment in the "exp_avg_sq" stream of `step.slot`.
+struct SkewAdamParamStep {
+  ParamStep step;
+  int32_t factor_slot = -1;
+  int64_t experts = 1, rows = 0, cols = 0;  // the factored shape; experts * rows * cols = numel
+  bool momentum = false;                    // keeps "exp_avg" (8-bit or fp32)
+};
+
 struct MemoryUsage {
   int64_t state_bytes;     // page bytes allocated (what the state costs)
   int64_t resident_bytes;  // of which resident in memory now
@@ -67,6 +84,7 @@ struct KindStreams {
   Moment m, v, v_max;  // AdamW: exp_avg, exp_avg_sq, max_exp_avg_sq; SGD/Lion use m only
   int residual = -1;   // "master_residual"
   int residual_bits = 0;
+  int factors = -1;    // SkewAdam's "exp_avg_sq_factors"
 };
 
 class PagedState {
@@ -89,6 +107,11 @@ class PagedState {
                 const ParallelFor& parallel_for);
   void step_lion(const std::vector<ParamStep>& params, const std::vector<LionGroup>& groups,
                  const ParallelFor& parallel_for);
+  // Two phases in one call: the row and column statistics of every factored parameter
+  // (they need its whole gradient), then the elementwise pass over the pages. Defined in
+  // skewadam_step.cpp.
+  void step_skewadam(const std::vector<SkewAdamParamStep>& params,
+                     const std::vector<SkewAdamGroup>& groups, const ParallelFor& parallel_for);
 
   // Copies the stream named `stream` of one parameter out of / into its pages, as the raw
   // bytes of the stream (stream_bytes() of them), in element order. Used by state_dict().
@@ -108,6 +131,11 @@ class PagedState {
   template <class Apply>
   void for_each_chunk(const std::vector<ParamStep>& params, const ParallelFor& parallel_for,
                       const Apply& apply);
+  // for_each_chunk behind a type-erased callback, for drivers in other translation units.
+  using ChunkFn = std::function<void(size_t param, const paging::Segment& segment,
+                                     std::byte* page, int64_t begin, int64_t count)>;
+  void for_each_chunk_of(const std::vector<ParamStep>& params, const ParallelFor& parallel_for,
+                         const ChunkFn& apply);
   void check_param(const ParamStep& param, size_t num_groups) const;
 
   // Stream `stream` (an index into the kind's streams, -1 for none) of element `begin` of

@@ -1,0 +1,258 @@
+"""SkewAdam against torch.optim.AdamW and 8-bit AdamW (pagedoptim.AdamW, state_bits=8), all
+measured in the same run. One JSON line per result:
+
+  state_bytes   optimizer state of an expert-heavy Mixtral (transformers, random weights):
+                bytes, bytes per parameter and the ratio to torch AdamW; SkewAdam per tier
+  step_time     seconds per optimizer step on that model (random gradients, fp32), the ratio
+                to torch AdamW (default foreach and fused=True), and what phase 1 (the row and
+                column statistics) would cost as plain torch ops, for scale
+  loss          the tiny MoE language model of tests/python/test_skewadam_lm.py (byte
+                vocabulary, Python stdlib sources as text), final loss per optimizer; the
+                curves go to docs/skewadam_loss.png
+  eps_update    the epsilon placement: first-step update RMS of a [256, 256] matrix (units
+                of lr) for gradient scales 1 .. 1e-6, eps=1e-30 on g^2 against a 1e-8 floor
+                on the row and column means (plain PyTorch reference, same formulas)
+  eps_loss      the same two placements training the tiny MoE with its loss scaled by 1e-4
+                (gradients of ~1e-6, as with a small loss scale or a long, flat run)
+
+    python benchmarks/skewadam.py                 # everything (a few minutes on 2 cores)
+    python benchmarks/skewadam.py --quick         # smoke run
+    python benchmarks/skewadam.py --only state    # or loss, eps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+import pagedoptim as po
+from pagedoptim.reference_skewadam import SkewAdamReference
+
+DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs")
+STDLIB_FILES = ("textwrap.py", "argparse.py", "functools.py", "inspect.py")
+
+
+def emit(**fields) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def mixtral(hidden, intermediate, experts, layers, seq):
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=256, hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=experts, num_experts_per_tok=2, max_position_embeddings=seq,
+        tie_word_embeddings=False)
+    return transformers.MixtralForCausalLM(config)
+
+
+def torch_state_bytes(opt):
+    return sum(t.numel() * t.element_size() for state in opt.state.values()
+               for t in state.values() if isinstance(t, torch.Tensor))
+
+
+def random_grads(model, seed):
+    generator = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=generator) * 1e-3
+
+
+def optimizers(model):
+    named = list(model.named_parameters())
+    return {
+        "torch_adamw": lambda: torch.optim.AdamW(model.parameters(), lr=1e-4),
+        "torch_adamw_fused": lambda: torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True),
+        "pagedoptim_adamw_8bit": lambda: po.AdamW(model.parameters(), lr=1e-4, state_bits=8),
+        "skewadam": lambda: po.SkewAdam(named, lr=1e-4, state_bits=8),
+    }
+
+
+def bench_state_and_time(quick):
+    hidden, intermediate, experts = (64, 256, 8) if quick else (256, 1024, 16)
+    model = mixtral(hidden, intermediate, experts, layers=2, seq=64)
+    num_params = sum(p.numel() for p in model.parameters())
+    config = dict(hidden=hidden, intermediate=intermediate, experts=experts, layers=2,
+                  num_params=num_params)
+    random_grads(model, 0)
+    snapshot = [p.detach().clone() for p in model.parameters()]
+    baseline_bytes = None
+    times = {}
+    steps = 3 if quick else 10
+    for name, make in optimizers(model).items():
+        with torch.no_grad():
+            for p, saved in zip(model.parameters(), snapshot):
+                p.copy_(saved)
+        opt = make()
+        opt.step()  # state exists from here on
+        if name.startswith("torch"):
+            state_bytes = payload_bytes = torch_state_bytes(opt)
+            tiers = None
+        else:
+            report = opt.memory_report()
+            state_bytes = report["state_bytes"]
+            # Without the unused end of the last page of each page kind.
+            payload_bytes = state_bytes - report["page_slack_bytes"]
+            tiers = report.get("tiers")
+        if name == "torch_adamw":
+            baseline_bytes = state_bytes
+        if name != "torch_adamw_fused":
+            emit(bench="state_bytes", optimizer=name, **config, state_bytes=state_bytes,
+                 bytes_per_param=state_bytes / num_params,
+                 ratio_to_torch_adamw=state_bytes / baseline_bytes,
+                 payload_bytes=payload_bytes,
+                 payload_ratio_to_torch_adamw=payload_bytes / baseline_bytes, tiers=tiers)
+        start = time.perf_counter()
+        for _ in range(steps):
+            opt.step()
+        times[name] = (time.perf_counter() - start) / steps
+        del opt
+
+    factored = [p.grad for n, p in model.named_parameters() if p.dim() >= 2 and "gate." not in n]
+    start = time.perf_counter()
+    for _ in range(steps):
+        for g in factored:
+            squared = g.square()
+            squared.mean(dim=-1)
+            squared.mean(dim=-2)
+    torch_ops_stats = (time.perf_counter() - start) / steps
+    for name, seconds in times.items():
+        emit(bench="step_time", optimizer=name, **config, seconds=seconds,
+             params_per_second=num_params / seconds,
+             ratio_to_torch_adamw=seconds / times["torch_adamw"],
+             ratio_to_torch_adamw_fused=seconds / times["torch_adamw_fused"],
+             threads=torch.get_num_threads())
+    emit(bench="step_time", optimizer="torch_ops_factor_statistics_only", **config,
+         seconds=torch_ops_stats, ratio_to_torch_adamw=torch_ops_stats / times["torch_adamw"])
+
+
+def corpus():
+    root = os.path.dirname(os.__file__)
+    data = b"".join(open(os.path.join(root, name), "rb").read() for name in STDLIB_FILES)
+    return torch.tensor(list(data), dtype=torch.long)
+
+
+def train_tiny(make_optimizer, data, steps, loss_scale=1.0):
+    model = mixtral(32, 128, 8, layers=2, seq=32)
+    opt = make_optimizer(model)
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        starts = torch.randint(0, data.numel() - 32, (8,), generator=generator)
+        batch = torch.stack([data[s:s + 32] for s in starts.tolist()])
+        loss = model(input_ids=batch, labels=batch).loss
+        (loss * loss_scale).backward()
+        opt.step()
+        for p in model.parameters():
+            p.grad = None
+        losses.append(loss.item())
+    return losses
+
+
+class ReferenceOptimizer:
+    """SkewAdamReference over a model's named parameters, tiers from the default patterns."""
+
+    def __init__(self, model, **kwargs):
+        probe = po.SkewAdam(list(model.named_parameters()))
+        tiers = probe.param_tiers()
+        self.inner = SkewAdamReference([(p, tiers[n]) for n, p in model.named_parameters()],
+                                       **kwargs)
+
+    def step(self):
+        self.inner.step()
+
+
+def bench_loss(quick):
+    data = corpus()
+    steps = 30 if quick else 300
+    lr = 3e-3
+    runs = {
+        "torch_adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.0),
+        "pagedoptim_adamw_8bit": lambda m: po.AdamW(m.parameters(), lr=lr, weight_decay=0.0,
+                                                    state_bits=8),
+        "skewadam": lambda m: po.SkewAdam(list(m.named_parameters()), lr=lr, state_bits=8),
+    }
+    curves = {}
+    for name, make in runs.items():
+        start = time.perf_counter()
+        curves[name] = train_tiny(make, data, steps)
+        tail = curves[name][-20:]
+        emit(bench="loss", optimizer=name, steps=steps, lr=lr,
+             final_loss=sum(tail) / len(tail), seconds=time.perf_counter() - start)
+    final = {name: sum(c[-20:]) / len(c[-20:]) for name, c in curves.items()}
+    emit(bench="loss", optimizer="skewadam", relative_to_torch_adamw=(
+        final["skewadam"] / final["torch_adamw"] - 1.0))
+    plot(curves, os.path.join(DOCS, "skewadam_loss.png"))
+
+
+def plot(curves, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def smooth(values, window=10):
+        return [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
+                for i in range(len(values))]
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    labels = {"torch_adamw": "torch.optim.AdamW (fp32 state)",
+              "pagedoptim_adamw_8bit": "pagedoptim.AdamW, 8-bit state",
+              "skewadam": "pagedoptim.SkewAdam"}
+    for name, values in curves.items():
+        axes.plot(smooth(values), label=labels[name])
+    axes.set_xlabel("step")
+    axes.set_ylabel("training loss (10-step mean)")
+    axes.set_title("Tiny Mixtral (8 experts, byte vocabulary, stdlib text)")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def bench_eps(quick):
+    torch.manual_seed(0)
+    base = torch.randn(256, 256)
+    for scale in (1.0, 1e-2, 1e-4, 1e-5, 1e-6):
+        results = {}
+        for name, kwargs in (("eps_on_g2", dict(eps=1e-30)), ("floor_1e-8", dict(factor_floor=1e-8))):
+            p = torch.nn.Parameter(torch.zeros(256, 256))
+            opt = SkewAdamReference([(p, "experts")], lr=1.0, **kwargs)
+            for step in range(10):
+                p.grad = base * scale
+                before = p.detach().clone()
+                opt.step()
+                if step in (0, 9):
+                    results[f"{name}_step{step + 1}"] = (p.detach() - before).square().mean().sqrt().item()
+        emit(bench="eps_update", grad_scale=scale, **results)
+    data = corpus()
+    steps = 30 if quick else 300
+    for name, kwargs in (("eps_on_g2", dict(eps=1e-30)), ("floor_1e-8", dict(factor_floor=1e-8))):
+        for loss_scale in (1.0, 1e-4):
+            losses = train_tiny(lambda m: ReferenceOptimizer(m, lr=3e-3, **kwargs), data, steps,
+                                loss_scale=loss_scale)
+            emit(bench="eps_loss", placement=name, loss_scale=loss_scale, steps=steps,
+                 final_loss=sum(losses[-20:]) / 20)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, few steps")
+    parser.add_argument("--only", choices=("state", "loss", "eps"), default=None)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1: on a shared 2-core machine more threads "
+                             "spin-wait for each other and measure the neighbours)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.only in (None, "state"):
+        bench_state_and_time(args.quick)
+    if args.only in (None, "loss"):
+        bench_loss(args.quick)
+    if args.only in (None, "eps"):
+        bench_eps(args.quick)
+
+
+if __name__ == "__main__":
+    main()

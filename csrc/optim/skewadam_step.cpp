@@ -1,0 +1,206 @@
+// SkewAdam's step driver, PagedState::step_skewadam (the math is codec/skewadam_rules.h).
+//
+// One call, two phases. Phase 1 reads each factored parameter's row and column running
+// means out of their pages (a few KiB per matrix), runs the statistics kernel on every
+// matrix in parallel (each needs its whole gradient: the row and column means, the mean of
+// the row means and the update's RMS are reductions over it) and writes the means back.
+// The coefficients it produces stay in memory for phase 2, the elementwise pass over the
+// pages of the per-element state, cut into chunks like the other optimizers'. Parameters
+// without per-element state (fp32 experts: factors only) are chunked straight from the
+// parameter, as plain SGD is.
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/skewadam_kernels.h"
+#include "pagedoptim/optim/paged_state.h"
+
+namespace pagedoptim::optim {
+namespace {
+
+// Elements per parallel work item of phase 2, as for the other optimizers (a multiple of
+// kGroupSize, so items start on quantization groups).
+constexpr int64_t kChunkElements = 32 * 1024;
+static_assert(kChunkElements % kGroupSize == 0);
+
+constexpr char kFactorStream[] = "exp_avg_sq_factors";
+
+int64_t bytes_per_element(kernels::ElementType type) {
+  return type == kernels::ElementType::kFloat32 ? 4 : 2;
+}
+
+// Elements [first, first + count) of a parameter and its gradient.
+kernels::ParamSpan sub_span(const kernels::ParamSpan& whole, int64_t first, int64_t count) {
+  const int64_t offset = first * bytes_per_element(whole.type);
+  return kernels::ParamSpan{static_cast<char*>(whole.param) + offset,
+                            static_cast<const char*>(whole.grad) + offset, count, whole.type};
+}
+
+std::string describe(size_t index) { return "SkewAdam parameter " + std::to_string(index); }
+
+}  // namespace
+
+void PagedState::step_skewadam(const std::vector<SkewAdamParamStep>& params,
+                               const std::vector<SkewAdamGroup>& groups,
+                               const ParallelFor& parallel_for) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    const SkewAdamParamStep& p = params[i];
+    const bool factored = p.factor_slot >= 0;
+    if (factored) {
+      if (p.experts <= 0 || p.rows <= 0 || p.cols <= 0 ||
+          p.experts * p.rows * p.cols != p.step.span.count) {
+        throw std::invalid_argument(describe(i) + ": factored shape [" +
+                                    std::to_string(p.experts) + ", " + std::to_string(p.rows) +
+                                    ", " + std::to_string(p.cols) + "] does not hold its " +
+                                    std::to_string(p.step.span.count) + " elements");
+      }
+      if (p.factor_slot >= table_.num_params()) {
+        throw std::out_of_range(describe(i) + ": factor slot " + std::to_string(p.factor_slot) +
+                                " is not registered");
+      }
+      const paging::ParamLayout& layout = table_.param(p.factor_slot);
+      if (kind_streams_[size_t(layout.kind)].factors < 0 ||
+          layout.numel != p.experts * (p.rows + p.cols)) {
+        throw std::invalid_argument(describe(i) + ": factor slot " +
+                                    std::to_string(p.factor_slot) + " must hold " +
+                                    std::to_string(p.experts * (p.rows + p.cols)) +
+                                    " elements of exp_avg_sq_factors");
+      }
+    }
+    if (p.step.slot < 0) {
+      if (p.step.group < 0 || size_t(p.step.group) >= groups.size()) {
+        throw std::out_of_range("group index " + std::to_string(p.step.group) + " out of range");
+      }
+      if (p.step.step == nullptr) throw std::invalid_argument("step counter must not be null");
+      if (!factored || p.momentum) {
+        throw std::invalid_argument(describe(i) + ": only a factored parameter without "
+                                    "momentum can do without per-element state");
+      }
+      continue;
+    }
+    check_param(p.step, groups.size());
+    const KindStreams& k = kind_streams_[size_t(table_.param(p.step.slot).kind)];
+    if (p.momentum != (k.m.values >= 0)) {
+      throw std::invalid_argument(describe(i) + ": momentum=" + std::to_string(p.momentum) +
+                                  " does not match its state's exp_avg stream");
+    }
+    if (!factored && (k.v.values < 0 || k.v.scales >= 0)) {
+      throw std::invalid_argument(describe(i) + ": an exact second moment needs an fp32 "
+                                  "exp_avg_sq stream");
+    }
+  }
+
+  std::vector<codec::SkewAdamScalars> scalars;
+  scalars.reserve(params.size());
+  for (const SkewAdamParamStep& p : params) {
+    const SkewAdamGroup& g = groups[size_t(p.step.group)];
+    *p.step.step += 1.0f;
+    scalars.push_back(codec::make_skewadam_scalars(g.lr, g.beta1, g.beta2, g.eps,
+                                                   g.weight_decay, long(*p.step.step)));
+  }
+  const kernels::SkewAdamKernelTable& kernel = kernels::skewadam_cpu_kernels();
+
+  // Phase 1. factors[i] and coefficients[i] are laid out alike: [experts * rows] row
+  // values, then [experts * cols] column values.
+  struct Matrix {
+    size_t param;
+    int64_t expert;
+  };
+  std::vector<std::vector<float>> factors(params.size());
+  std::vector<std::vector<float>> coefficients(params.size());
+  std::vector<std::vector<float>> scratch(params.size());  // [experts * cols]
+  std::vector<Matrix> matrices;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const SkewAdamParamStep& p = params[i];
+    if (p.factor_slot < 0) continue;
+    factors[i].resize(size_t(p.experts * (p.rows + p.cols)));
+    coefficients[i].resize(factors[i].size());
+    scratch[i].resize(size_t(p.experts * p.cols));
+    read_stream(p.factor_slot, kFactorStream, factors[i].data());
+    for (int64_t e = 0; e < p.experts; ++e) matrices.push_back(Matrix{i, e});
+  }
+  parallel_for(int64_t(matrices.size()), [&](int64_t first, int64_t last) {
+    for (int64_t m = first; m < last; ++m) {
+      const Matrix& matrix = matrices[size_t(m)];
+      const SkewAdamParamStep& p = params[matrix.param];
+      const int64_t all_rows = p.experts * p.rows;
+      float* state = factors[matrix.param].data();
+      float* coef = coefficients[matrix.param].data();
+      const kernels::FactorStatistics f{
+          static_cast<const char*>(p.step.span.grad) +
+              matrix.expert * p.rows * p.cols * bytes_per_element(p.step.span.type),
+          p.step.span.type,
+          p.rows,
+          p.cols,
+          state + matrix.expert * p.rows,
+          state + all_rows + matrix.expert * p.cols,
+          coef + matrix.expert * p.rows,
+          coef + all_rows + matrix.expert * p.cols,
+          scratch[matrix.param].data() + matrix.expert * p.cols};
+      kernel.factor_statistics(f, scalars[matrix.param]);
+    }
+  });
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].factor_slot >= 0) {
+      write_stream(params[i].factor_slot, kFactorStream, factors[i].data());
+    }
+  }
+
+  // Phase 2.
+  auto factored_streams = [&](size_t i, kernels::MomentStream m,
+                              kernels::MasterResidual residual, int64_t first) {
+    const SkewAdamParamStep& p = params[i];
+    const float* coef = coefficients[i].data();
+    return kernels::SkewAdamFactoredStreams{m,      residual, coef, coef + p.experts * p.rows,
+                                            p.rows, p.cols,   first};
+  };
+  std::vector<ParamStep> paged;
+  std::vector<size_t> paged_index;
+  std::vector<std::pair<size_t, int64_t>> unpaged_chunks;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].step.slot >= 0) {
+      paged.push_back(params[i].step);
+      paged_index.push_back(i);
+    } else {
+      for (int64_t begin = 0; begin < params[i].step.span.count; begin += kChunkElements) {
+        unpaged_chunks.emplace_back(i, begin);
+      }
+    }
+  }
+  if (!paged.empty()) {
+    for_each_chunk_of(
+        paged, parallel_for,
+        [&](size_t q, const paging::Segment& segment, std::byte* page, int64_t begin,
+            int64_t count) {
+          const size_t i = paged_index[q];
+          const SkewAdamParamStep& p = params[i];
+          const int kind = table_.param(p.step.slot).kind;
+          const KindStreams& k = kind_streams_[size_t(kind)];
+          const int64_t first = segment.param_offset + begin;
+          const kernels::ParamSpan span = sub_span(p.step.span, first, count);
+          const kernels::MasterResidual residual = residual_ptr(kind, page, segment, begin);
+          kernels::MomentStream m;
+          if (p.momentum) m = moment_ptr(kind, k.m, page, segment, begin);
+          if (p.factor_slot >= 0) {
+            kernel.factored(span, factored_streams(i, m, residual, first), scalars[i]);
+          } else {
+            const kernels::MomentStream v{stream_ptr(kind, k.v.values, page, segment, begin),
+                                          nullptr};
+            kernel.exact(span, kernels::SkewAdamExactStreams{m, v, residual}, scalars[i]);
+          }
+        });
+  }
+  parallel_for(int64_t(unpaged_chunks.size()), [&](int64_t first, int64_t last) {
+    for (int64_t c = first; c < last; ++c) {
+      const auto [i, begin] = unpaged_chunks[size_t(c)];
+      const int64_t count = std::min(kChunkElements, params[i].step.span.count - begin);
+      kernel.factored(sub_span(params[i].step.span, begin, count),
+                      factored_streams(i, kernels::MomentStream{}, kernels::MasterResidual{},
+                                       begin),
+                      scalars[i]);
+    }
+  });
+}
+
+}  // namespace pagedoptim::optim

@@ -1,0 +1,345 @@
+"""pagedoptim.SkewAdam: tiered optimizer state for Mixture-of-Experts models.
+
+Per tier (pagedoptim.tiers) and rank, a parameter keeps (docs/skewadam.md):
+
+  tier      >= 2-D parameter                          1-D / 0-D parameter
+  backbone  momentum + factored second moment         momentum + exact second moment
+  experts   factored second moment (per expert, 3-D)  exact second moment
+  router    momentum + exact second moment (2-D only) momentum + exact second moment
+
+Momentum ("exp_avg") is companded 8-bit with state_bits=8 (fp32 with 32), exact second
+moments ("exp_avg_sq") are fp32, and bf16/fp16 parameters carry the master residual of
+master_bits. The factored second moment is Adafactor's: fp32 running means of g^2 + eps over
+the rows and the columns of each matrix, kept in pages of their own (one slot per factored
+parameter holding [E * rows] row means then [E * cols] column means, the stream
+"exp_avg_sq_factors"), so all of SkewAdam's state is paged. state_dict() hands them out as
+"exp_avg_sq_row" ([rows], or [E, rows]) and "exp_avg_sq_col" ([cols] or [E, cols]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Mapping, Optional, Union
+
+import torch
+
+from pagedoptim import state_format
+from pagedoptim._validation import check_betas, check_non_negative
+from pagedoptim.optimizer import PagedOptimizer
+from pagedoptim.options import PagingOptions
+from pagedoptim.state_format import Moment, StreamSpec
+from pagedoptim.tiers import (BACKBONE, EXPERTS, ROUTER, TIERS, check_tier,
+                              compile_tier_patterns, tier_of_name)
+
+FACTORS = "exp_avg_sq_factors"
+ROW = "exp_avg_sq_row"
+COL = "exp_avg_sq_col"
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+# Per-element stream sets, in kind order: (momentum, exact second moment); each with and
+# without the master residual (kind = 2 * index + residual). The factors are the last kind.
+_ELEMENT_LAYOUTS = ((True, False), (False, False), (True, True), (False, True))
+_FACTOR_KIND = 2 * len(_ELEMENT_LAYOUTS)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    """How SkewAdam keeps one parameter's state."""
+
+    tier: str
+    factored: bool   # factored second moment (else exact)
+    momentum: bool
+    experts: int = 1  # the factored shape [experts, rows, cols]
+    rows: int = 0
+    cols: int = 0
+
+    @property
+    def factor_numel(self) -> int:
+        return self.experts * (self.rows + self.cols) if self.factored else 0
+
+
+def layout_of(p: torch.Tensor, tier: str) -> ParamLayout:
+    """The state layout of a parameter of this tier (shape already validated)."""
+    momentum = tier != EXPERTS
+    if tier == ROUTER or p.dim() < 2 or p.numel() == 0:
+        return ParamLayout(tier, False, momentum)
+    experts, rows, cols = p.shape if p.dim() == 3 else (1, *p.shape)
+    return ParamLayout(tier, True, momentum, int(experts), int(rows), int(cols))
+
+
+def check_param_for_tier(p: torch.Tensor, tier: str, where: str) -> None:
+    if p.dim() > 3:
+        raise ValueError(f"{where} has {p.dim()} dimensions; SkewAdam takes 0-D to 2-D "
+                         "parameters and [experts, rows, cols] expert tensors")
+    if p.dim() == 3 and tier != EXPERTS:
+        raise ValueError(f"{where} is 3-D {tuple(p.shape)} but in tier '{tier}': only the "
+                         "'experts' tier takes [experts, rows, cols] tensors (name it so the "
+                         "tier patterns see an 'experts' component, or give its group "
+                         "tier='experts')")
+
+
+class SkewAdam(PagedOptimizer):
+    """Tiered Adam for Mixture-of-Experts models (see the module docstring).
+
+    named_params_or_groups: model.named_parameters() (the default tier patterns read the
+    names), plain parameters, or groups; a group may set tier='backbone'|'experts'|'router'
+    for all of its parameters. tiers: None for the default name patterns, or a mapping
+    {'router': patterns, 'experts': patterns} replacing them (pagedoptim.tiers).
+    eps is added to g^2 (Adafactor's eps1, hence the tiny default), not to the denominator.
+    """
+
+    _kind = "skewadam"
+    _FIRST = Moment("exp_avg", second=False)
+    _SECOND = Moment("exp_avg_sq", second=True)
+
+    def __init__(
+        self,
+        named_params_or_groups: Iterable[Any],
+        lr: Union[float, torch.Tensor] = 1e-3,
+        betas: tuple[Union[float, torch.Tensor], Union[float, torch.Tensor]] = (0.9, 0.999),
+        eps: float = 1e-30,
+        weight_decay: float = 0.0,
+        *,
+        tiers: Optional[Mapping[str, Any]] = None,
+        state_bits: int = 8,
+        master_bits: Optional[int] = 24,
+        offload: Optional[str] = None,
+        nvme_dir: Optional[str] = None,
+        cache_bytes: Optional[int] = None,
+        page_bytes: int = 2 << 20,
+        prefetch: int = 4,
+        policy: str = "auto",
+        release_grads: bool = False,
+    ) -> None:
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self._check_group(defaults)
+        self._tier_patterns = compile_tier_patterns(tiers)
+        self._factor_slots: dict[torch.Tensor, int] = {}
+        self._layouts: Optional[dict[torch.Tensor, ParamLayout]] = None
+        self._batch_layouts: list[tuple[int, int, int, int, bool]] = []
+        options = PagingOptions(state_bits=state_bits, master_bits=master_bits,
+                                offload=offload, nvme_dir=nvme_dir, cache_bytes=cache_bytes,
+                                page_bytes=page_bytes, prefetch=prefetch, policy=policy,
+                                release_grads=release_grads)
+        super().__init__(named_params_or_groups, defaults, options)
+
+    # -- hyperparameters and tiers ---------------------------------------------------------
+
+    @staticmethod
+    def _check_group(group: dict[str, Any]) -> tuple:
+        lr = check_non_negative(group["lr"], "lr")
+        beta1, beta2 = check_betas(group["betas"])
+        eps = check_non_negative(group["eps"], "eps")
+        if eps == 0.0:
+            raise ValueError("Invalid eps: 0.0 (eps must be > 0: it keeps the row and column "
+                             "means of g^2 + eps of an all-zero gradient row away from 0/0)")
+        weight_decay = check_non_negative(group["weight_decay"], "weight_decay")
+        return (lr, beta1, beta2, eps, weight_decay)
+
+    def _group_hyperparameters(self, group: dict[str, Any]) -> tuple:
+        return self._check_group(group)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        explicit = param_group.get("tier")
+        if explicit is not None:
+            check_tier(explicit)
+        params = param_group["params"]
+        entries = [params] if isinstance(params, torch.Tensor) else params
+        resolved: list[str] = []
+        if not isinstance(entries, (set, frozenset)):  # the base class rejects sets
+            entries = list(entries)
+            for index, entry in enumerate(entries):
+                name, p = entry if isinstance(entry, tuple) else (None, entry)
+                if explicit is not None:
+                    tier = explicit
+                elif name is not None:
+                    tier = tier_of_name(name, self._tier_patterns)
+                else:
+                    tier = BACKBONE
+                if isinstance(p, torch.Tensor):
+                    where = f"param '{name}'" if name is not None else f"params[{index}]"
+                    check_param_for_tier(p, tier, where)
+                resolved.append(tier)
+        super().add_param_group({**param_group, "params": entries})
+        # Kept in the group, so state_dict() records which layout the state has.
+        self.param_groups[-1]["param_tiers"] = resolved
+        self._layouts = None
+
+    def _layout(self, p: torch.Tensor) -> ParamLayout:
+        if self._layouts is None:
+            layouts = {}
+            for group in self.param_groups:
+                for q, tier in zip(group["params"], group["param_tiers"]):
+                    layouts[q] = layout_of(q, check_tier(tier, "param_tiers entry"))
+            self._layouts = layouts
+        return self._layouts[p]
+
+    def param_tiers(self) -> dict[str, str]:
+        """Every parameter's tier, by name (or 'params[i]' for unnamed parameters)."""
+        return {name: self._layout(p).tier for name, p in self._named_params()}
+
+    def _named_params(self) -> list[tuple[str, torch.Tensor]]:
+        named = []
+        for group in self.param_groups:
+            names = group.get("param_names")
+            for q, p in enumerate(group["params"]):
+                named.append((names[q] if names else f"params[{len(named)}]", p))
+        return named
+
+    # -- state layout ----------------------------------------------------------------------
+
+    def _moments(self) -> list[Moment]:
+        return [self._FIRST, self._SECOND]
+
+    def _all_moments(self) -> list[Moment]:
+        return [self._FIRST, self._SECOND]
+
+    def _stream_kinds(self) -> list[list[StreamSpec]]:
+        momentum = state_format.moment_streams(self._FIRST, self._options.state_bits)
+        second = StreamSpec(self._SECOND.name, 4 * state_format.GROUP_SIZE, False, torch.float32)
+        residual = ([state_format.residual_stream(self._options.master_bits)]
+                    if self._options.master_bits is not None else [])
+        kinds: list[list[StreamSpec]] = []
+        for has_momentum, exact in _ELEMENT_LAYOUTS:
+            streams = (momentum if has_momentum else []) + ([second] if exact else [])
+            kinds += [list(streams), streams + residual]
+        kinds.append([StreamSpec(FACTORS, 4 * state_format.GROUP_SIZE, False, torch.float32)])
+        return kinds
+
+    def _kind_of(self, p: torch.Tensor) -> int:
+        layout = self._layout(p)
+        index = _ELEMENT_LAYOUTS.index((layout.momentum, not layout.factored))
+        with_residual = self._options.master_bits is not None and p.dtype in _LOW_PRECISION
+        return 2 * index + int(with_residual)
+
+    def _slot(self, p: torch.Tensor) -> int:
+        slot = super()._slot(p)
+        if p not in self._factor_slots:
+            layout = self._layout(p)
+            self._factor_slots[p] = (self._engine.register_param(layout.factor_numel,
+                                                                 _FACTOR_KIND)
+                                     if layout.factored else -1)
+        return slot
+
+    # -- the step --------------------------------------------------------------------------
+
+    def _add_to_batch(self, batch: Any, p: torch.Tensor, grad: torch.Tensor,
+                      group_id: int) -> None:
+        if not batch.params:
+            self._batch_layouts = []
+        if grad.shape != p.shape:
+            raise ValueError(f"grad of shape {tuple(grad.shape)} does not match its param of "
+                             f"shape {tuple(p.shape)}")
+        super()._add_to_batch(batch, p, grad, group_id)
+        layout = self._layout(p)
+        self._batch_layouts.append((self._factor_slots[p], layout.experts, layout.rows,
+                                    layout.cols, layout.momentum))
+
+    def _native_step(self, *args: Any) -> None:
+        layouts, self._batch_layouts = self._batch_layouts, []
+        self._engine.step_skewadam(*args, layouts)
+
+    # -- state_dict ------------------------------------------------------------------------
+
+    def _state_stream_names(self) -> set[str]:
+        return super()._state_stream_names() | {ROW, COL}
+
+    def _gather_streams(self) -> dict[int, dict[str, torch.Tensor]]:
+        gathered = super()._gather_streams()
+        if self._engine is None:
+            return gathered
+        for index, p in enumerate(self._indexed_params()):
+            slot = self._factor_slots.get(p, -1)
+            if slot < 0:
+                continue
+            layout = self._layout(p)
+            values = self._engine.read_stream(slot, FACTORS).view(torch.float32)
+            split = layout.experts * layout.rows
+            row, col = values[:split], values[split:]
+            if p.dim() == 3:
+                row, col = row.view(layout.experts, -1), col.view(layout.experts, -1)
+            gathered.setdefault(index, {}).update({ROW: row, COL: col})
+        return gathered
+
+    def _scatter_streams(self, streams: dict[int, dict[str, torch.Tensor]]) -> None:
+        self._factor_slots = {}
+        self._layouts = None
+        element_streams = {index: {k: v for k, v in given.items() if k not in (ROW, COL)}
+                           for index, given in streams.items()}
+        super()._scatter_streams(element_streams)
+        params = self._indexed_params()
+        for index in sorted(streams):
+            p = params[index]
+            self._slot(p)
+            slot = self._factor_slots[p]
+            if slot < 0:
+                continue
+            layout = self._layout(p)
+            given = streams[index]
+            if ROW not in given or COL not in given:
+                raise ValueError(f"state for param {index} has no '{ROW}' / '{COL}': its "
+                                 f"'{layout.tier}' tier keeps a factored second moment")
+            row, col = given[ROW], given[COL]
+            if (row.numel() != layout.experts * layout.rows
+                    or col.numel() != layout.experts * layout.cols):
+                raise ValueError(f"state '{ROW}' / '{COL}' of param {index} has "
+                                 f"{row.numel()} / {col.numel()} elements, expected "
+                                 f"{layout.experts * layout.rows} / "
+                                 f"{layout.experts * layout.cols}")
+            values = torch.cat([row.detach().reshape(-1), col.detach().reshape(-1)])
+            raw = values.to(device="cpu", dtype=torch.float32).contiguous()
+            self._engine.write_stream(slot, FACTORS, raw.view(torch.uint8))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "_tier_patterns": self._tier_patterns}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        if "_tier_patterns" in state:
+            # A copy: the base class rebuilds the engine from the saved streams, which needs
+            # these before it runs.
+            self._tier_patterns = state.pop("_tier_patterns")
+            self._batch_layouts = []
+        self._factor_slots = {}
+        self._layouts = None
+        super().__setstate__(state)
+
+    # -- reports ---------------------------------------------------------------------------
+
+    def memory_report(self) -> dict[str, Any]:
+        """The base report plus 'factor_bytes' (the row and column means), 'tiers' (per
+        tier: params, elements, state bytes) and 'params' (per parameter name: tier, shape,
+        second-moment form, momentum, state bytes). Per-tier and per-parameter bytes are
+        the streams' payload and the step counter; page slack is only in the totals."""
+        report = super().memory_report()
+        tiers = {tier: {"num_params": 0, "num_elements": 0, "state_bytes": 0} for tier in TIERS}
+        params: dict[str, Any] = {}
+        factor_total = 0
+        for name, p in self._named_params():
+            layout = self._layout(p)
+            state_bytes = 0
+            slot = self._slots.get(p, -1) if self._engine is not None else -1
+            if slot >= 0:
+                state_bytes += sum(self._engine.stream_bytes(slot, spec.name)
+                                   for spec in self._streams_of(p))
+            factor_slot = self._factor_slots.get(p, -1) if self._engine is not None else -1
+            if factor_slot >= 0:
+                factor_bytes = self._engine.stream_bytes(factor_slot, FACTORS)
+                factor_total += factor_bytes
+                state_bytes += factor_bytes
+            if "step" in self.state.get(p, {}):
+                state_bytes += 4
+            params[name] = {"tier": layout.tier, "shape": tuple(p.shape),
+                            "second_moment": "factored" if layout.factored else "exact",
+                            "momentum": layout.momentum, "state_bytes": state_bytes}
+            tiers[layout.tier]["num_params"] += 1
+            tiers[layout.tier]["num_elements"] += p.numel()
+            tiers[layout.tier]["state_bytes"] += state_bytes
+        report["factor_bytes"] = factor_total
+        report["page_slack_bytes"] -= factor_total
+        report["tiers"] = tiers
+        report["params"] = params
+        return report
+
