@@ -66,7 +66,11 @@ class CMakeBuild(build_ext):
             raise RuntimeError(f"CMake built no extension module under {build_dir}")
         destination = Path(self.get_ext_fullpath(ext.name))
         destination.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(built[-1], destination)
+        # Copy beside the target, then rename over it: a process that has the old module
+        # mapped keeps its (now unlinked) file instead of seeing it rewritten under it.
+        staging = destination.with_name(destination.name + ".tmp")
+        shutil.copyfile(built[-1], staging)
+        os.replace(staging, destination)
 
 
 setup(
