@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "pagedoptim/optim/paged_state.h"
+#include "bindings/page_store_binding.h"
 
 namespace pagedoptim::bindings {
 namespace {
@@ -167,7 +168,7 @@ void bind_paged_state(pybind11::module_& m) {
   py::class_<PagedState>(m, "PagedState",
                          "Paged optimizer state of one optimizer: page table, store, driver.")
       .def(py::init([](const std::string& kind, const std::vector<std::vector<StreamTuple>>& kinds,
-                       int64_t page_bytes) {
+                       int64_t page_bytes, const py::object& store) {
              TORCH_CHECK_VALUE(page_bytes > 0 && page_bytes % 4096 == 0,
                                "page_bytes must be a positive multiple of 4096, got ",
                                page_bytes);
@@ -178,12 +179,14 @@ void bind_paged_state(pybind11::module_& m) {
                  specs.back().push_back(paging::StreamSpec{name, bytes_per_group, per_group});
                }
              }
-             return std::make_unique<PagedState>(
-                 parse_kind(kind), std::move(specs),
-                 std::make_unique<paging::HostPageStore>(page_bytes));
+             return std::make_unique<PagedState>(parse_kind(kind), std::move(specs),
+                                                 make_page_store(store, page_bytes));
            }),
-           py::arg("kind"), py::arg("kinds"), py::arg("page_bytes"),
-           "kinds: per parameter kind, its streams as (name, bytes per group of 32, per_group)")
+           py::arg("kind"), py::arg("kinds"), py::arg("page_bytes"), py::arg("store") = py::none(),
+           "kinds: per parameter kind, its streams as (name, bytes per group of 32, per_group); "
+           "store: None (all pages in host memory) or the paging options dict")
+      .def("paging_stats", [](PagedState& s) { return paging_stats(s.store()); },
+           "Pager counters: hits, misses, bytes per tier, stall seconds, io backend.")
       .def("register_param", &PagedState::register_param, py::arg("numel"), py::arg("kind") = 0)
       .def("step_adamw",
            [](PagedState& s, const std::vector<at::Tensor>& params,
@@ -217,6 +220,8 @@ void bind_paged_state(pybind11::module_& m) {
       .def("read_stream",
            [](PagedState& s, int32_t slot, const std::string& stream) {
              at::Tensor out = at::empty({s.stream_bytes(slot, stream)}, at::kByte);
+             // pin() may wait for the disk: let other Python threads run meanwhile.
+             pybind11::gil_scoped_release no_gil;
              s.read_stream(slot, stream, out.data_ptr());
              return out;
            },
@@ -230,6 +235,7 @@ void bind_paged_state(pybind11::module_& m) {
                                "bytes for stream ", stream, " of slot ", slot,
                                " must be a contiguous uint8 cpu tensor of ", expected,
                                " elements");
+             pybind11::gil_scoped_release no_gil;
              s.write_stream(slot, stream, bytes.data_ptr());
            },
            py::arg("slot"), py::arg("stream"), py::arg("bytes"))

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from pagedoptim import state_format
+from pagedoptim import paging, state_format
 from pagedoptim._native import native
 from pagedoptim.options import PagingOptions
 from pagedoptim.state_format import Moment, StreamSpec
@@ -223,7 +223,11 @@ class PagedOptimizer(torch.optim.Optimizer):
         if self._engine is None:
             self._kinds = self._stream_kinds()
             native_kinds = [[spec.as_native() for spec in kind] for kind in self._kinds]
-            self._engine = native.PagedState(self._kind, native_kinds, self._options.page_bytes)
+            store = paging.store_options(self._options, self._device)
+            self._engine = native.PagedState(self._kind, native_kinds, self._options.page_bytes,
+                                             store=store)
+            if store is not None:
+                paging.warn_about_fallbacks(self._engine)
         return self._engine
 
     def _slot(self, p: torch.Tensor) -> int:
@@ -441,6 +445,17 @@ class PagedOptimizer(torch.optim.Optimizer):
             "state_bytes_per_param": state_bytes / per_param,
             "total_bytes_per_param": (param_bytes + grad_bytes + state_bytes) / per_param,
         }
+
+    def paging_stats(self) -> dict[str, Any]:
+        """The pager's counters since the state was created: hits, misses, hit_rate, bytes
+        read and written per tier, stall_seconds (time the step waited for I/O), evictions,
+        errors, the io backend and why it fell back, the O_DIRECT status. offload is None
+        when the state is not paged; everything counts zero before the first step."""
+        if self._engine is None:
+            return {"offload": paging.resolve_offload(self._options, self._device),
+                    "hits": 0, "misses": 0, "hit_rate": 0.0, "bytes_read": {},
+                    "bytes_written": {}, "stall_seconds": 0.0}
+        return self._engine.paging_stats()
 
 
 class _StepBatch:

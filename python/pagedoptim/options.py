@@ -18,12 +18,6 @@ _POLICIES = ("auto", "lru", "plan")
 _OFFLOAD_TIERS = (None, "host", "nvme")
 
 
-def _not_yet(argument: str, value: object, what: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"{argument}={value!r} ({what}) is not implemented in this version of pagedoptim; "
-        f"leave {argument} at its default")
-
-
 @dataclasses.dataclass(frozen=True)
 class PagingOptions:
     state_bits: int = 8
@@ -44,15 +38,17 @@ class PagingOptions:
                              "(expected None, 24 or 32)")
         if self.offload not in _OFFLOAD_TIERS:
             raise ValueError(f"Invalid offload: {self.offload!r} (expected None, 'host' or 'nvme')")
-        if self.offload is not None:
-            raise _not_yet("offload", self.offload, "paging to host memory or NVMe")
         if self.nvme_dir is not None:
             if not isinstance(self.nvme_dir, (str, os.PathLike)):
                 raise TypeError(f"nvme_dir must be a path, got {type(self.nvme_dir).__name__}")
-            raise _not_yet("nvme_dir", self.nvme_dir, "the NVMe tier")
+            if self.offload == "host":
+                raise ValueError("nvme_dir applies only to offload='nvme' (offload='host' keeps "
+                                 "cold pages in host memory)")
         if self.cache_bytes is not None:
+            if isinstance(self.cache_bytes, bool) or not isinstance(self.cache_bytes, int):
+                raise TypeError(f"cache_bytes must be an int (bytes), got "
+                                f"{type(self.cache_bytes).__name__}")
             check_non_negative(self.cache_bytes, "cache_bytes")
-            raise _not_yet("cache_bytes", self.cache_bytes, "a page cache budget")
         if (isinstance(self.page_bytes, bool) or not isinstance(self.page_bytes, int)
                 or self.page_bytes <= 0 or self.page_bytes % _PAGE_ALIGNMENT):
             raise ValueError(f"Invalid page_bytes: {self.page_bytes!r} "
@@ -60,11 +56,17 @@ class PagingOptions:
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) \
                 or self.prefetch < 0:
             raise ValueError(f"Invalid prefetch: {self.prefetch!r} (expected an int >= 0)")
-        if self.prefetch != 4:
-            raise _not_yet("prefetch", self.prefetch, "asynchronous prefetch")
         if self.policy not in _POLICIES:
             raise ValueError(f"Invalid policy: {self.policy!r} (expected one of {_POLICIES})")
-        if self.policy != "auto":
-            raise _not_yet("policy", self.policy, "page eviction policies")
+        # nvme_dir or cache_bytes alone imply paging (see pagedoptim.paging); prefetch and
+        # policy alone have nothing to act on.
+        paged = (self.offload is not None or self.nvme_dir is not None
+                 or self.cache_bytes is not None)
+        if not paged and self.prefetch != 4:
+            raise ValueError(f"prefetch={self.prefetch!r} applies only to paged state: set "
+                             "offload='host' or 'nvme' (or cache_bytes) as well")
+        if not paged and self.policy != "auto":
+            raise ValueError(f"policy={self.policy!r} applies only to paged state: set "
+                             "offload='host' or 'nvme' (or cache_bytes) as well")
         if not isinstance(self.release_grads, bool):
             raise TypeError(f"release_grads must be a bool, got {type(self.release_grads).__name__}")

@@ -253,29 +253,8 @@ def test_sgd_nesterov_needs_momentum_and_no_dampening(kwargs):
     assert "nesterov" in str(info.value).lower(), (str(info.value), str(torch_info.value))
 
 
-# --- keyword arguments of later modes -----------------------------------------------------
-
-# Until the pager lands (issue 4) its keyword arguments refuse loudly rather than being
-# ignored. The compressed state (state_bits=8, master_bits, release_grads) is implemented.
-NOT_IMPLEMENTED = [
-    ("offload", "host"),
-    ("offload", "nvme"),
-    ("nvme_dir", "/tmp/pagedoptim-test-never-created"),
-    ("cache_bytes", 1 << 20),
-    ("prefetch", 2),
-    ("prefetch", 8),
-    ("policy", "lru"),
-    ("policy", "plan"),
-]
-
-
-@pytest.mark.parametrize("name", ALL)
-@pytest.mark.parametrize("kw,value", NOT_IMPLEMENTED, ids=[f"{k}={v}" for k, v in NOT_IMPLEMENTED])
-def test_unimplemented_kwargs_raise_not_implemented(name, kw, value):
-    with pytest.raises(NotImplementedError) as info:
-        OURS[name]([one_param()], **{kw: value})
-    assert kw in str(info.value), str(info.value)
-
+# --- the paging and compression keyword arguments -----------------------------------------
+# (their values and errors are tested in test_paging.py and test_compressed_*.py)
 
 @pytest.mark.parametrize("name", ALL)
 def test_exact_mode_kwargs_spelled_out_are_accepted(name):

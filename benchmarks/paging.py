@@ -1,0 +1,205 @@
+"""Paged optimizer state on the NVMe tier: step time against offload=None, disk traffic per
+step as a fraction of the disk's own sequential bandwidth (measured by our io engine in the
+same run), and the hit rate of the eviction policies. One JSON line per result.
+
+    python benchmarks/paging.py                       # step + bandwidth + hit-rate table
+    python benchmarks/paging.py --state-mib 2048      # a bigger state (4x the cache)
+    python benchmarks/paging.py --large --large-params 2e9   # 8-bit AdamW, 4 GiB cache
+
+`--dir` is where the page file and the bandwidth probe's scratch file go (default: $TMPDIR
+or /tmp); it should be the disk under test. The large mode needs about 3.1 B/param on disk
+(8-bit moments + 24-bit master residual) and 4 B/param of RAM for bf16 params and grads on
+top of the cache: check `df -h` and `free -g` first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import pagedoptim as po  # noqa: E402
+from pagedoptim._native import native  # noqa: E402
+from utils import emit, significant, time_interleaved  # noqa: E402
+
+MIB = 1 << 20
+
+
+def disk_bandwidth(directory: str, file_bytes: int) -> dict:
+    """Sequential write + read of our own engine (io_uring, O_DIRECT, QD16, 1 MiB blocks)."""
+    result = native.measure_disk_bandwidth(directory, file_bytes, 1 << 20, 16, "auto")
+    emit({"bench": "disk_bandwidth", "tool": "pagedoptim_io", "dir": directory,
+          "backend": result["backend"], "direct": result["direct"],
+          "bytes": result["bytes"], "write_gb_per_s": significant(result["write_gb_per_s"]),
+          "read_gb_per_s": significant(result["read_gb_per_s"])})
+    return result
+
+
+def traffic(opt) -> tuple[int, int]:
+    stats = opt.paging_stats()
+    return sum(stats["bytes_read"].values()), sum(stats["bytes_written"].values())
+
+
+def step_benchmark(args) -> dict:
+    """AdamW (fp32 state: the most bytes per param) over `state_mib` of state with a cache of
+    a quarter of it, against the same optimizer without paging. Returns the record; main()
+    adds the disk limit once the disk was probed before and after."""
+    state_bytes = args.state_mib * MIB
+    numel = state_bytes // 8  # fp32 exp_avg + exp_avg_sq
+    sizes = [numel // args.params] * args.params
+    g = torch.Generator().manual_seed(0)
+    params = {name: [torch.randn(n, generator=g).requires_grad_() for n in sizes]
+              for name in ("none", "nvme")}
+    for name in params:
+        for p in params[name]:
+            p.grad = torch.randn(p.shape, generator=g) * 1e-3
+    common = dict(lr=1e-4, state_bits=32, master_bits=None, page_bytes=args.page_bytes)
+    opts = {
+        "none": po.AdamW(params["none"], **common),
+        "nvme": po.AdamW(params["nvme"], offload="nvme", nvme_dir=args.dir,
+                         cache_bytes=state_bytes // args.state_over_cache,
+                         prefetch=args.prefetch, **common),
+    }
+    before = {}
+
+    def mark():
+        before["traffic"] = traffic(opts["nvme"])
+        before["stats"] = opts["nvme"].paging_stats()
+
+    opts["nvme"].step()  # zero-fills every page once and writes most of them
+    opts["none"].step()
+    mark()
+    timings = time_interleaved({name: opt.step for name, opt in opts.items()},
+                               warmup=1, repeats=args.repeats)
+    steps = 1 + args.repeats
+    read, written = (a - b for a, b in zip(traffic(opts["nvme"]), before["traffic"]))
+    stats = opts["nvme"].paging_stats()
+    read_per_step, written_per_step = read / steps, written / steps
+    t_nvme, t_none = timings["nvme"].median, timings["none"].median
+    hits = stats["hits"] - before["stats"]["hits"]
+    misses = stats["misses"] - before["stats"]["misses"]
+    record = {"bench": "paging_step", "optimizer": "AdamW fp32 state", "state_bytes": state_bytes,
+          "cache_bytes": stats["cache_bytes"], "page_bytes": args.page_bytes,
+          "prefetch": args.prefetch, "io_backend": stats["io_backend"],
+          "direct_io": stats["direct_io"],
+          "step_s_offload_none": significant(t_none), "step_s_nvme": significant(t_nvme),
+          "slowdown": significant(t_nvme / t_none),
+          "bytes_read_per_step": int(read_per_step),
+          "bytes_written_per_step": int(written_per_step),
+          "disk_gb_per_s": significant((read_per_step + written_per_step) / t_nvme / 1e9),
+          "hit_rate": significant(hits / max(1, hits + misses)),
+          "stall_s_per_step": significant((stats["stall_seconds"]
+                                           - before["stats"]["stall_seconds"]) / steps)}
+    del opts, params
+    gc.collect()
+    return record
+
+
+def add_disk_limit(record: dict, probes: list[dict]) -> dict:
+    """The time the disk needs for the step's traffic at the best sequential rates the probes
+    saw, two ways: reads and writes one after the other (serial), or at once on a device
+    that does both in parallel (overlapped, the tighter bound on a full-duplex device)."""
+    read_bw = max(p["read_gb_per_s"] for p in probes) * 1e9
+    write_bw = max(p["write_gb_per_s"] for p in probes) * 1e9
+    t_read = record["bytes_read_per_step"] / read_bw
+    t_write = record["bytes_written_per_step"] / write_bw
+    step_s = record["step_s_nvme"]
+    return {**record,
+            "disk_limit_s_serial": significant(t_read + t_write),
+            "disk_limit_s_overlapped": significant(max(t_read, t_write)),
+            "fraction_of_disk_limit_serial": significant((t_read + t_write) / step_s),
+            "fraction_of_disk_limit_overlapped": significant(max(t_read, t_write) / step_s)}
+
+
+def hit_rate_table(args) -> None:
+    """Steady-state hit rate of lru and plan for budgets of 10/25/50/75% of the state, with
+    the driver's alternating scan and with a scan in one direction (LRU's worst case). The
+    second is run on the store directly: the driver always alternates."""
+    page = 8192
+    pages = 200
+    for fraction in (0.10, 0.25, 0.50, 0.75):
+        for policy in ("lru", "plan"):
+            p = torch.randn(pages * 1024, requires_grad=True)  # fp32 AdamW: 1024 per 8 KiB page
+            opt = po.AdamW([p], state_bits=32, master_bits=None, page_bytes=page,
+                           offload="host", cache_bytes=int(fraction * pages) * page,
+                           policy=policy)
+            hits = pins = 0
+            for step in range(6):
+                p.grad = torch.randn_like(p)
+                before = opt.paging_stats()
+                opt.step()
+                after = opt.paging_stats()
+                if step >= 2:
+                    hits += after["hits"] - before["hits"]
+                    pins += (after["hits"] + after["misses"]
+                             - before["hits"] - before["misses"])
+            emit({"bench": "hit_rate", "scan": "alternating (driver)", "policy": policy,
+                  "budget_fraction": fraction, "hit_rate": significant(hits / pins),
+                  "optimum": significant(int(fraction * pages) / opt.paging_stats()["num_pages"])})
+
+
+def large_run(args) -> None:
+    """8-bit AdamW with the split master weight over --large-params bf16 params, 4 GiB cache."""
+    numel = int(float(args.large_params))
+    chunk = 1 << 27  # 134M-element tensors, like a few transformer layers each
+    sizes = [chunk] * (numel // chunk) + ([numel % chunk] if numel % chunk else [])
+    params = [torch.zeros(n, dtype=torch.bfloat16).requires_grad_() for n in sizes]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    opt = po.AdamW(params, lr=1e-4, offload="nvme", nvme_dir=args.dir,
+                   cache_bytes=int(args.large_cache_gib * (1 << 30)), page_bytes=args.page_bytes)
+    for step in range(args.large_steps):
+        before = traffic(opt)
+        start = time.perf_counter()
+        opt.step()
+        seconds = time.perf_counter() - start
+        read, written = (a - b for a, b in zip(traffic(opt), before))
+        stats = opt.paging_stats()
+        emit({"bench": "paging_large", "step": step, "params": numel,
+              "state_bytes": stats["num_pages"] * stats["page_bytes"],
+              "cache_bytes": stats["cache_bytes"], "step_s": significant(seconds),
+              "bytes_read": read, "bytes_written": written,
+              "disk_gb_per_s": significant((read + written) / seconds / 1e9),
+              "stall_s": significant(stats["stall_seconds"]),
+              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", default=os.environ.get("TMPDIR", tempfile.gettempdir()))
+    parser.add_argument("--state-mib", type=int, default=1024)
+    parser.add_argument("--state-over-cache", type=int, default=4)
+    parser.add_argument("--params", type=int, default=8)
+    parser.add_argument("--page-bytes", type=int, default=2 * MIB)
+    parser.add_argument("--prefetch", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-hit-rate", action="store_true")
+    parser.add_argument("--large", action="store_true")
+    parser.add_argument("--large-params", default="2e9")
+    parser.add_argument("--large-cache-gib", type=float, default=4.0)
+    parser.add_argument("--large-steps", type=int, default=2)
+    args = parser.parse_args()
+
+    before = disk_bandwidth(args.dir, 1 << 30)
+    if args.large:
+        large_run(args)
+        disk_bandwidth(args.dir, 1 << 30)
+        return
+    record = step_benchmark(args)
+    after = disk_bandwidth(args.dir, 1 << 30)  # again: the disk drifts on this shared machine
+    emit(add_disk_limit(record, [before, after]))
+    if not args.skip_hit_rate:
+        hit_rate_table(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Paging: from the optimizer's paging keywords to the native page store, and back.
+
+`store_options()` turns PagingOptions into the dict `PagedState(..., store=...)` takes
+(None: every page stays in memory). What a keyword implies when `offload` is not given:
+
+* `nvme_dir=...` alone means `offload="nvme"`: it says where the page file goes.
+* `cache_bytes=...` alone means "keep at most this much state on the compute device and the
+  rest on the next tier down": `offload="host"` for parameters on a GPU, `offload="nvme"`
+  for parameters on the CPU (there the cache already is host memory).
+* `offload` without `cache_bytes` keeps DEFAULT_CACHE_BYTES of pages resident.
+* `prefetch` and `policy` only act on paged state; setting them without paging is an error.
+
+The page file lives in a private directory under `nvme_dir` (default: $TMPDIR or /tmp) and
+is unlinked as soon as it is open, so it disappears with the optimizer, or with the process
+however it ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from typing import Any, Iterator, Optional
+
+import torch
+
+from pagedoptim._native import native
+from pagedoptim.options import PagingOptions
+
+DEFAULT_CACHE_BYTES = 1 << 30
+
+_overrides: dict[str, Any] = {}
+
+
+def _native_exception(name: str, base: type[BaseException]) -> type[BaseException]:
+    try:
+        return getattr(native, name)
+    except (AttributeError, RuntimeError):  # no native library: a stand-in of the same kind
+        return type(name, (base,), {"__module__": "pagedoptim"})
+
+
+PageIOError = _native_exception("PageIOError", OSError)
+PageCorruptionError = _native_exception("PageCorruptionError", RuntimeError)
+
+
+def resolve_offload(options: PagingOptions, device: Optional[torch.device]) -> Optional[str]:
+    """The tier cold pages go to, after the implications described in the module doc."""
+    if options.offload is not None:
+        return options.offload
+    if options.nvme_dir is not None:
+        return "nvme"
+    if options.cache_bytes is not None:
+        return "host" if device is not None and device.type == "cuda" else "nvme"
+    return None
+
+
+@contextlib.contextmanager
+def store_overrides(**extra: Any) -> Iterator[None]:
+    """Adds native store options (io_backend, queue_depth, direct, faults) to every paged
+    optimizer whose state is created inside the block. For tests and benchmarks."""
+    saved = dict(_overrides)
+    _overrides.update(extra)
+    try:
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)
+
+
+def store_options(options: PagingOptions, device: Optional[torch.device]) -> Optional[dict]:
+    offload = resolve_offload(options, device)
+    if offload is None:
+        return None
+    store: dict[str, Any] = {
+        "offload": offload,
+        "cache_bytes": int(options.cache_bytes if options.cache_bytes is not None
+                           else DEFAULT_CACHE_BYTES),
+        "prefetch": options.prefetch,
+        "policy": options.policy,
+    }
+    if offload == "nvme":
+        if options.nvme_dir is not None:
+            store["nvme_dir"] = os.fspath(options.nvme_dir)
+        backend = os.environ.get("PAGEDOPTIM_IO_BACKEND")
+        if backend:
+            store["io_backend"] = backend
+    store.update(_overrides)
+    return store
+
+
+def warn_about_fallbacks(engine: Any) -> None:
+    """A warning for each way the page file runs below its best: POSIX instead of io_uring,
+    buffered instead of O_DIRECT."""
+    stats = engine.paging_stats()
+    if stats["io_fallback_reason"]:
+        warnings.warn(f"pagedoptim: the page file uses the POSIX pread/pwrite backend because "
+                      f"{stats['io_fallback_reason']}", RuntimeWarning, stacklevel=3)
+    if stats["direct_io_reason"]:
+        warnings.warn(f"pagedoptim: the page file uses buffered I/O because "
+                      f"{stats['direct_io_reason']}", RuntimeWarning, stacklevel=3)
+
+
+def set_fault_rules(optimizer: Any, rules: list[dict[str, Any]]) -> None:
+    """Replaces the faults injected into an optimizer's page file (tests). The optimizer's
+    state must have been created inside `store_overrides(faults=[...])`."""
+    native.set_fault_rules(optimizer._ensure_engine(), rules)
+
+
+def fault_counts(optimizer: Any) -> list[int]:
+    return list(native.fault_counts(optimizer._ensure_engine()))
+
+
+def drain(optimizer: Any) -> None:
+    """Waits until the pager of the optimizer has no I/O in flight."""
+    if optimizer._engine is not None and optimizer._engine.paging_stats()["offload"]:
+        native.drain_paging(optimizer._engine)

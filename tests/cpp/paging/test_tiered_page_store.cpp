@@ -1,0 +1,260 @@
+// TieredPageStore end to end: every tier, policy, budget and prefetch depth hands back
+// exactly the bytes last written; the plan policy's hit rate on cyclic steps; threads
+// pinning at once; the page file's life cycle.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "paging_test_util.h"
+#include "pagedoptim/paging/page_errors.h"
+
+namespace pagedoptim::paging {
+namespace {
+
+using test::fill_page;
+using test::make_test_tier;
+using test::page_matches;
+using test::run_step;
+using test::ScratchDir;
+
+constexpr int64_t kPageBytes = 8192;
+
+std::unique_ptr<TieredPageStore> make_store(const std::string& tier, const std::string& dir,
+                                            int32_t budget, int32_t prefetch,
+                                            EvictionPolicy policy, bool faults = false) {
+  TieredStoreOptions options;
+  options.page_bytes = kPageBytes;
+  options.cache_bytes = int64_t(budget) * kPageBytes;
+  options.prefetch = prefetch;
+  options.policy = policy;
+  return std::make_unique<TieredPageStore>(options,
+                                           make_test_tier(tier, kPageBytes, dir, faults));
+}
+
+std::vector<std::string> tiers() {
+  std::vector<std::string> out = {"host", "posix"};
+  if (test::io_uring_usable()) out.push_back("io_uring");
+  return out;
+}
+
+// Random steps over random subsets (pages whose parameter had no gradient sit a step out),
+// scanning in alternating directions like the driver; every pin must see the bytes of the
+// last write, whatever the budget, the policy and the prefetch depth.
+TEST(TieredPageStore, EveryConfigurationHandsBackTheLastWrite) {
+  constexpr int32_t kPages = 24;
+  for (const std::string& tier : tiers()) {
+    for (EvictionPolicy policy : {EvictionPolicy::kLru, EvictionPolicy::kPlan}) {
+      for (int32_t budget : {1, 3, 12, 30}) {
+        for (int32_t prefetch : {0, 4}) {
+          SCOPED_TRACE(tier + " " + eviction_policy_name(policy) + " budget " +
+                       std::to_string(budget) + " prefetch " + std::to_string(prefetch));
+          ScratchDir dir;
+          auto store = make_store(tier, dir.path(), budget, prefetch, policy);
+          store->grow(kPages / 2);
+          store->grow(kPages);
+          std::vector<int64_t> version(kPages, 0);
+          std::mt19937 rng{static_cast<uint32_t>(budget * 31 + prefetch)};
+          for (int step = 0; step < 6; ++step) {
+            std::vector<int32_t> plan;
+            for (int32_t p = 0; p < kPages; ++p) {
+              if (step == 0 || rng() % 4 != 0) plan.push_back(p);
+            }
+            if (step % 2 == 1) std::reverse(plan.begin(), plan.end());
+            run_step(*store, plan, [&](int32_t page, std::byte* bytes) {
+              ASSERT_TRUE(page_matches(bytes, kPageBytes, page, version[size_t(page)]))
+                  << "page " << page << " step " << step;
+              fill_page(bytes, kPageBytes, page, ++version[size_t(page)]);
+            });
+            EXPECT_LE(store->stats().peak_resident_pages, std::max(budget, 1));
+          }
+          // A checkpoint's reads: off the plan, one page at a time.
+          for (int32_t p = kPages - 1; p >= 0; --p) {
+            const std::byte* bytes = store->pin(p);
+            EXPECT_TRUE(page_matches(bytes, kPageBytes, p, version[size_t(p)])) << "page " << p;
+            store->unpin(p, false);
+          }
+          const PagingStats s = store->stats();
+          EXPECT_EQ(s.zero_fills, kPages);
+          EXPECT_EQ(s.over_budget_pages, 0);
+          EXPECT_EQ(s.write_errors + s.read_errors + s.checksum_errors, 0);
+          if (budget < kPages) {
+            EXPECT_GT(s.writes, 0);
+            EXPECT_GT(s.reads, 0);
+            EXPECT_EQ(s.bytes_read, s.reads * kPageBytes);
+          } else {
+            EXPECT_EQ(s.reads + s.writes, 0);  // everything fits: no I/O at all
+          }
+        }
+      }
+    }
+  }
+}
+
+// Hits per pin over steps 2..5 of a cyclic step whose state is twice the budget. With
+// `alternate`, pinned like the driver (batches of pin_limit, scan reversed every step);
+// otherwise one page at a time, in the same direction every step.
+double cyclic_hit_rate(EvictionPolicy policy, bool alternate, int32_t pages, int32_t budget) {
+  auto store = make_store("host", "", budget, 4, policy);
+  store->grow(pages);
+  std::vector<int32_t> plan(static_cast<size_t>(pages));
+  std::iota(plan.begin(), plan.end(), 0);
+  int64_t hits = 0, pins = 0;
+  for (int step = 0; step < 6; ++step) {
+    const PagingStats before = store->stats();
+    if (alternate) {
+      std::reverse(plan.begin(), plan.end());
+      run_step(*store, plan, [](int32_t, std::byte*) {});
+    } else {
+      store->plan(plan);
+      for (int32_t page : plan) {
+        store->pin(page);
+        store->unpin(page, true);
+      }
+    }
+    const PagingStats after = store->stats();
+    if (step >= 2) {
+      hits += after.hits - before.hits;
+      pins += (after.hits + after.misses) - (before.hits + before.misses);
+    }
+  }
+  return double(hits) / double(pins);
+}
+
+TEST(TieredPageStore, PlanPolicyReachesBudgetOverStateOnCyclicSteps) {
+  constexpr int32_t kPages = 64, kBudget = 32;
+  const double optimum = double(kBudget) / kPages;
+  // The driver reverses the scan every step: the pages used last are the first needed,
+  // and both policies keep exactly those.
+  const double plan_alternating = cyclic_hit_rate(EvictionPolicy::kPlan, true, kPages, kBudget);
+  const double lru_alternating = cyclic_hit_rate(EvictionPolicy::kLru, true, kPages, kBudget);
+  EXPECT_NEAR(plan_alternating, optimum, 0.02);
+  EXPECT_NEAR(lru_alternating, optimum, 0.02);
+  // The same direction every step is LRU's worst case: every page is evicted just before
+  // it is needed again. The plan policy evicts the page needed last instead and keeps all
+  // but the slots its prefetch window and the pinned page need at the start of a step.
+  const double plan_same = cyclic_hit_rate(EvictionPolicy::kPlan, false, kPages, kBudget);
+  const double lru_same = cyclic_hit_rate(EvictionPolicy::kLru, false, kPages, kBudget);
+  EXPECT_GE(plan_same, double(kBudget - 4 - 1) / kPages);
+  EXPECT_EQ(lru_same, 0.0);
+  RecordProperty("plan_alternating", std::to_string(plan_alternating));
+  RecordProperty("lru_alternating", std::to_string(lru_alternating));
+  RecordProperty("plan_same_direction", std::to_string(plan_same));
+  RecordProperty("lru_same_direction", std::to_string(lru_same));
+}
+
+TEST(TieredPageStore, PinLimitLeavesRoomForThePrefetchWindow) {
+  EXPECT_EQ(make_store("host", "", 1, 4, EvictionPolicy::kPlan)->pin_limit(), 1);
+  EXPECT_EQ(make_store("host", "", 4, 4, EvictionPolicy::kPlan)->pin_limit(), 2);
+  EXPECT_EQ(make_store("host", "", 16, 4, EvictionPolicy::kPlan)->pin_limit(), 12);
+  EXPECT_EQ(make_store("host", "", 16, 0, EvictionPolicy::kPlan)->pin_limit(), 16);
+}
+
+// Threads pin their own pages at random while another thread keeps setting plans: the
+// prefetcher, the write-backs and the pins race on a budget far below the state.
+TEST(TieredPageStore, ConcurrentPinsKeepEveryPageIntact) {
+  constexpr int32_t kPages = 32, kThreads = 4, kIterations = 300;
+  for (const std::string& tier : tiers()) {
+    SCOPED_TRACE(tier);
+    ScratchDir dir;
+    auto store = make_store(tier, dir.path(), 6, 3, EvictionPolicy::kAuto);
+    store->grow(kPages);
+    std::vector<int64_t> version(kPages, 0);  // page p belongs to thread p % kThreads
+    std::atomic<bool> done{false};
+    std::atomic<int> failures{0};
+    std::thread planner([&] {
+      std::mt19937 rng(99);
+      while (!done.load(std::memory_order_relaxed)) {
+        std::vector<int32_t> plan;
+        for (int i = 0; i < 8; ++i) plan.push_back(int32_t(rng() % kPages));
+        store->plan(plan);
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+    });
+    std::vector<std::thread> workers;
+    for (int t = 0; t < kThreads; ++t) {
+      workers.emplace_back([&, t] {
+        std::mt19937 rng{static_cast<uint32_t>(t)};
+        for (int i = 0; i < kIterations; ++i) {
+          const int32_t page = int32_t(rng() % (kPages / kThreads)) * kThreads + t;
+          std::byte* bytes = store->pin(page);
+          if (!page_matches(bytes, kPageBytes, page, version[size_t(page)])) ++failures;
+          fill_page(bytes, kPageBytes, page, ++version[size_t(page)]);
+          store->unpin(page, true);
+        }
+      });
+    }
+    for (std::thread& w : workers) w.join();
+    done = true;
+    planner.join();
+    EXPECT_EQ(failures.load(), 0);
+    for (int32_t p = 0; p < kPages; ++p) {
+      EXPECT_TRUE(page_matches(store->pin(p), kPageBytes, p, version[size_t(p)]));
+      store->unpin(p, false);
+    }
+    store->drain();
+    EXPECT_LE(store->stats().peak_resident_pages, 6 + kThreads);
+  }
+}
+
+std::vector<std::string> open_files_under(const std::string& dir) {
+  std::vector<std::string> found;
+  if (DIR* d = ::opendir("/proc/self/fd")) {
+    while (dirent* e = ::readdir(d)) {
+      char target[4096];
+      const std::string link = std::string("/proc/self/fd/") + e->d_name;
+      const ssize_t n = ::readlink(link.c_str(), target, sizeof(target) - 1);
+      if (n <= 0) continue;
+      target[n] = '\0';
+      if (std::string(target).rfind(dir, 0) == 0) found.push_back(link);
+    }
+    ::closedir(d);
+  }
+  return found;
+}
+
+TEST(FileTier, PageFileIsPrivateUnlinkedAndFreedWithTheTier) {
+  ScratchDir dir;
+  {
+    auto tier = make_test_tier("posix", kPageBytes, dir.path());
+    EXPECT_TRUE(dir.entries().empty()) << "the page file and its directory are unlinked at once";
+    EXPECT_EQ(tier->info().name, "nvme");
+    EXPECT_EQ(tier->info().backend, "posix");
+    EXPECT_EQ(tier->info().location.rfind(dir.path(), 0), 0u) << tier->info().location;
+    const std::vector<std::string> open = open_files_under(dir.path());
+    ASSERT_EQ(open.size(), 1u);
+    struct stat st {};
+    ASSERT_EQ(::stat(open[0].c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 0777, 0600u);
+    tier->grow(4);
+    ASSERT_EQ(::stat(open[0].c_str(), &st), 0);
+    EXPECT_GE(st.st_size, 4 * kPageBytes);  // reserved up front
+  }
+  EXPECT_TRUE(open_files_under(dir.path()).empty());
+}
+
+TEST(FileTier, BadDirectoryIsAPageIoErrorNamingIt) {
+  FileTierOptions options;
+  options.dir = "/nonexistent/pagedoptim";
+  options.page_bytes = kPageBytes;
+  try {
+    make_file_tier(options);
+    FAIL() << "expected PageIoError";
+  } catch (const PageIoError& e) {
+    EXPECT_EQ(e.error_number(), ENOENT);
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/pagedoptim"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace pagedoptim::paging
