@@ -6,9 +6,9 @@ scale and decodes to 0 while its first moment keeps a nonzero code, so m / (sqrt
 explodes. The fix decodes code 0 as the top of its interval, (0.5/255 * s)^2, in AdamW's
 denominator only (include/pagedoptim/codec/companding.h, decode_second_moment_for_denominator).
 
-This script is a plain PyTorch reimplementation of that header's math (fp32 throughout, fp16
-scales rounded up, round half to even), run side by side with exact fp32 AdamW on the same
-gradient stream. Every group's per-element gradient magnitudes are log-uniform over 1e-8..1e2.
+This script runs the codec of pagedoptim.reference (the plain PyTorch restatement of that
+header's math, bit-identical to the native codec: fp32 throughout, fp16 scales rounded up,
+round half to even) side by side with exact fp32 AdamW on the same gradient stream. Every group's per-element gradient magnitudes are log-uniform over 1e-8..1e2.
 Scenarios: `dense` (zero-mean noise), `signal` (half the elements have a consistent sign),
 `sparse` (as signal, but each element gets a gradient on 30% of the steps only, like embedding
 rows), and `sparse_100x` (as sparse, magnitudes over 1e-2..1e0 only: the spread where the
@@ -41,12 +41,15 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedoptim.reference import (
+    GROUP_SIZE,
+    SECOND_MOMENT_CODE_MAX,
+    decode_moment_groups as decode_moment,
+    decode_second_moment_groups as decode_second_moment,
+    encode_moment_groups as encode_moment,
+    encode_second_moment_groups as encode_second_moment,
+)
 from utils import emit, significant
-
-GROUP_SIZE = 32
-MOMENT_CODE_MAX = 127.0
-SECOND_MOMENT_CODE_MAX = 255.0
-FP16_MAX = 65504.0
 
 BETA1, BETA2, EPS = 0.9, 0.999, 1e-8
 SPARSE_DENSITY = 0.3
@@ -59,51 +62,6 @@ SCENARIOS = {
     "sparse": ((-8.0, 2.0), True, True),
     "sparse_100x": ((-2.0, 0.0), True, True),
 }
-
-
-def fp16_scale_at_least(magnitude: torch.Tensor) -> torch.Tensor:
-    """The smallest fp16 value >= magnitude, as fp32; NaN for inf/NaN, 65504 above it."""
-    clamped = magnitude.clamp(max=FP16_MAX)
-    nearest = clamped.to(torch.float16)
-    next_up = (nearest.view(torch.int16) + 1).view(torch.float16)  # positive: next pattern up
-    scale = torch.where(nearest.float() < clamped, next_up, nearest).float()
-    return torch.where(torch.isfinite(magnitude), scale, torch.full_like(scale, float("nan")))
-
-
-def reciprocal_or_zero(scale: torch.Tensor) -> torch.Tensor:
-    return torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-
-
-def encode_moment(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[groups, 32] fp32 -> (int8-valued fp32 codes, fp32 scale [groups, 1])."""
-    scale = fp16_scale_at_least(values.abs().amax(dim=1, keepdim=True))
-    x = values * reciprocal_or_zero(scale)
-    code = (2.0 * MOMENT_CODE_MAX) * x / (1.0 + x.abs())
-    return torch.round(code.clamp(-MOMENT_CODE_MAX, MOMENT_CODE_MAX)), scale
-
-
-def decode_moment(code: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return code / (2.0 * MOMENT_CODE_MAX - code.abs()) * scale
-
-
-def sqrt_correctly_rounded(values: torch.Tensor) -> torch.Tensor:
-    """IEEE fp32 sqrt, as sqrtf in the header computes it. torch's CPU fp32 sqrt is not always
-    correctly rounded; the fp64 root rounded to fp32 is (53 >= 2 * 24 + 2 bits)."""
-    return values.double().sqrt().float()
-
-
-def encode_second_moment(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = fp16_scale_at_least(sqrt_correctly_rounded(values.amax(dim=1, keepdim=True)))
-    code = sqrt_correctly_rounded(values) * reciprocal_or_zero(scale) * SECOND_MOMENT_CODE_MAX
-    return torch.round(code.clamp(0.0, SECOND_MOMENT_CODE_MAX)), scale
-
-
-def decode_second_moment(
-    code: torch.Tensor, scale: torch.Tensor, code_zero_as: float = 0.0
-) -> torch.Tensor:
-    """(q/255 * s)^2; code 0 decodes as if it were `code_zero_as` (0.5 is the fix's floor)."""
-    root = code.clamp(min=code_zero_as) * (scale * (1.0 / SECOND_MOMENT_CODE_MAX))
-    return root * root
 
 
 @dataclass

@@ -1,0 +1,247 @@
+"""Checkpoints of compressed state: codes and scales in state_dict, bit-for-bit round trips,
+size against torch.optim.AdamW, export to and import from torch.optim.AdamW's format, and
+conversion between state_bits=32 and state_bits=8."""
+
+import io
+
+import pytest
+import torch
+
+import pagedoptim as po
+from pagedoptim import reference
+from pagedoptim._native import native
+
+K, N = 4, 10  # save after K steps, N steps in all
+
+CASES = {
+    "AdamW": (po.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    "AdamW-amsgrad": (po.AdamW, dict(lr=1e-2, amsgrad=True)),
+    "SGD": (po.SGD, dict(lr=1e-2, momentum=0.9, weight_decay=1e-2)),
+    "Lion": (po.Lion, dict(lr=1e-3, weight_decay=0.1)),
+}
+# fp32 params beside bf16 and fp16 params (with residuals), partial groups, a 0-dim param.
+PARAMS = [((33,), torch.float32), ((5, 13), torch.bfloat16), ((), torch.float32),
+          ((2100,), torch.float16), ((3, 31, 3), torch.bfloat16)]
+
+
+def make_params(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(d)) for s, d in PARAMS]
+
+
+def grads_for(step):
+    gen = torch.Generator().manual_seed(1000 + step)
+    return [(torch.randn(s, generator=gen) * 10 ** torch.empty(s).uniform_(-4, 0, generator=gen)
+             ).to(d) for s, d in PARAMS]
+
+
+def run(opt, params, start, stop):
+    for t in range(start, stop):
+        for p, g in zip(params, grads_for(t)):
+            p.grad = g
+        opt.step()
+
+
+def state_tensors(opt):
+    return {(i, k): v.clone() for i, s in opt.state_dict()["state"].items()
+            for k, v in s.items() if torch.is_tensor(v)}
+
+
+def assert_bit_identical(params_a, params_b, state_a, state_b):
+    for i, (a, b) in enumerate(zip(params_a, params_b)):
+        assert torch.equal(a.detach(), b.detach()), f"param {i} differs"
+    assert state_a.keys() == state_b.keys()
+    for key in state_a:
+        assert state_a[key].dtype == state_b[key].dtype, key
+        assert torch.equal(state_a[key], state_b[key]), f"state {key} differs"
+
+
+@pytest.mark.parametrize("master_bits", [24, 32, None])
+@pytest.mark.parametrize("case", list(CASES))
+def test_save_load_continue_is_bit_identical(case, master_bits):
+    """Save after K steps (through torch.save / torch.load(weights_only=True)), load into a
+    fresh optimizer over fresh params holding the saved values, continue to N: equal to the
+    uninterrupted run in every param and every state tensor."""
+    cls, hyper = CASES[case]
+    make = lambda params: cls(params, **hyper, master_bits=master_bits, page_bytes=4096)
+    params = make_params()
+    opt = make(params)
+    run(opt, params, 0, N)
+
+    first = make_params()
+    opt_first = make(first)
+    run(opt_first, first, 0, K)
+    buffer = io.BytesIO()
+    torch.save({"optimizer": opt_first.state_dict(),
+                "params": [p.detach() for p in first]}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    saved_state = saved["optimizer"]["state"]
+    expected_keys = {"step", "exp_avg_codes", "exp_avg_scales"} if case != "SGD" else {
+        "step", "momentum_buffer_codes", "momentum_buffer_scales"}
+    if case.startswith("AdamW"):
+        expected_keys |= {"exp_avg_sq_codes", "exp_avg_sq_scales"}
+    if case == "AdamW-amsgrad":
+        expected_keys |= {"max_exp_avg_sq_codes", "max_exp_avg_sq_scales"}
+    for i, (shape, dtype) in enumerate(PARAMS):
+        keys = expected_keys | ({"master_residual"} if dtype != torch.float32
+                                and master_bits is not None else set())
+        assert set(saved_state[i]) == keys, (i, sorted(saved_state[i]))
+
+    second = [torch.nn.Parameter(t.clone()) for t in saved["params"]]
+    opt_second = make(second)
+    opt_second.load_state_dict(saved["optimizer"])
+    run(opt_second, second, K, N)
+    assert_bit_identical(params, second, state_tensors(opt), state_tensors(opt_second))
+
+
+def tensor_bytes(state_dict):
+    return sum(v.numel() * v.element_size() for s in state_dict["state"].values()
+               for v in s.values() if torch.is_tensor(v))
+
+
+def test_8bit_state_dict_is_at_least_half_the_size_of_torch_adamw():
+    """Same fp32 params, one step each: 8-bit AdamW keeps 2 x (1 B code + 2/32 B scale) per
+    element against torch's 2 x 4 B, so the checkpoint's tensors are about 73% smaller."""
+    shapes = [(1000,), (64, 33), (7,)]
+    gen = torch.Generator().manual_seed(0)
+    ours_params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    torch_params = [torch.nn.Parameter(p.detach().clone()) for p in ours_params]
+    ours, theirs = po.AdamW(ours_params), torch.optim.AdamW(torch_params)
+    for p, q in zip(ours_params, torch_params):
+        p.grad = torch.randn(p.shape, generator=gen)
+        q.grad = p.grad.clone()
+    ours.step()
+    theirs.step()
+    ours_bytes, torch_bytes = tensor_bytes(ours.state_dict()), tensor_bytes(theirs.state_dict())
+    assert ours_bytes <= 0.5 * torch_bytes, (ours_bytes, torch_bytes)
+    numel = sum(p.numel() for p in ours_params)
+    groups = sum((p.numel() + 31) // 32 for p in ours_params)
+    assert ours_bytes == 2 * numel + 2 * 2 * groups + 4 * len(shapes)  # codes, scales, steps
+
+
+def adamw_pair(fp32_seed=3, shape=(40, 48)):
+    gen = torch.Generator().manual_seed(fp32_seed)
+    p = torch.nn.Parameter(torch.randn(shape, generator=gen))
+    grads = [torch.randn(shape, generator=gen) * 0.1 for _ in range(30)]
+    return p, grads
+
+
+def test_torch_state_dict_loads_into_torch_adamw_and_continues_close():
+    """torch_state_dict() dequantizes m and v to fp32. Loaded into torch.optim.AdamW, the first
+    continued step sees the very moments our kernel decodes, so it agrees to fp32 rounding
+    (FP32 tolerance 1e-6 of max|p|, about 8 ulp), except on elements whose v code is 0, where
+    our denominator takes the floor (those are excluded and must be few). Over 20 more steps
+    the runs drift apart only by the requantization of our moments each step; the distance
+    must stay below 10% of how far the params moved (the moments' codec error is below 1%
+    of the group scale per step, docs/compression.md)."""
+    p, grads = adamw_pair()
+    ours = po.AdamW([p], lr=1e-3, weight_decay=0.1)
+    for g in grads[:10]:
+        p.grad = g.clone()
+        ours.step()
+    exported = ours.torch_state_dict()
+    state = exported["state"][0]
+    assert set(state) == {"step", "exp_avg", "exp_avg_sq"}
+    assert state["exp_avg"].dtype == torch.float32 and state["exp_avg"].shape == p.shape
+    codes = ours.state_dict()["state"][0]
+    assert torch.equal(state["exp_avg"],
+                       native.decode_moment(codes["exp_avg_codes"], codes["exp_avg_scales"]))
+    code_zero = codes["exp_avg_sq_codes"] == 0
+
+    q = torch.nn.Parameter(p.detach().clone())
+    theirs = torch.optim.AdamW([q], lr=1e-3, weight_decay=0.1)
+    theirs.load_state_dict(exported)
+    start = p.detach().clone()
+    for i, g in enumerate(grads[10:]):
+        p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+        if i == 0:
+            assert code_zero.float().mean() < 0.01
+            diff = (p.detach() - q.detach()).abs()[~code_zero].max().item()
+            assert diff <= 1e-6 * start.abs().max().item()
+    moved = (q.detach() - start).abs().max().item()
+    assert (p.detach() - q.detach()).abs().max().item() <= 0.1 * moved
+
+
+def test_torch_adamw_state_dict_is_quantized_on_load():
+    """A torch.optim.AdamW state_dict loads into the 8-bit optimizer as the codes the native
+    encoder (and the reference, identical) gives for torch's fp32 moments."""
+    p, grads = adamw_pair()
+    theirs = torch.optim.AdamW([p], lr=1e-3)
+    for g in grads[:5]:
+        p.grad = g.clone()
+        theirs.step()
+    torch_sd = theirs.state_dict()
+    moments = torch_sd["state"][0]
+    ours = po.AdamW([p], lr=1e-3)
+    ours.load_state_dict(torch_sd)
+    state = ours.state_dict()["state"][0]
+    for name, encode in (("exp_avg", native.encode_moment),
+                         ("exp_avg_sq", native.encode_second_moment)):
+        codes, scales = encode(moments[name])
+        assert torch.equal(state[f"{name}_codes"], codes)
+        assert torch.equal(state[f"{name}_scales"], scales)
+        ref_encode = (reference.encode_second_moment if name == "exp_avg_sq"
+                      else reference.encode_moment)
+        ref_codes, _ = ref_encode(moments[name])
+        assert torch.equal(codes, ref_codes)
+    assert state["step"].item() == 5.0
+    p.grad = grads[5].clone()
+    ours.step()  # continues from the loaded state
+    assert ours.state_dict()["state"][0]["step"].item() == 6.0
+
+
+@pytest.mark.parametrize("case", ["AdamW-amsgrad", "SGD", "Lion"])
+def test_conversion_between_32_and_8_bit_state(case):
+    """state_bits=32 -> 8: codes = encode(fp32 moments); 8 -> 32: fp32 moments =
+    decode(codes, scales); and 8 -> 32 -> 8 gives back the same codes and scales."""
+    cls, hyper = CASES[case]
+    params = make_params()
+    exact = cls(params, **hyper, state_bits=32)
+    run(exact, params, 0, 3)
+    sd32 = exact.state_dict()
+    quantized = cls(params, **hyper, state_bits=8)
+    quantized.load_state_dict(sd32)
+    sd8 = quantized.state_dict()
+    back = cls(params, **hyper, state_bits=32)
+    back.load_state_dict(sd8)
+    sd32_back = back.state_dict()
+    again = cls(params, **hyper, state_bits=8)
+    again.load_state_dict(sd32_back)
+    for i in sd32["state"]:
+        for name, value in sd32["state"][i].items():
+            if name in ("step", "master_residual"):
+                continue
+            second = name.endswith("_sq")
+            encode = native.encode_second_moment if second else native.encode_moment
+            decode = native.decode_second_moment if second else native.decode_moment
+            codes, scales = encode(value)
+            assert torch.equal(sd8["state"][i][f"{name}_codes"], codes), (i, name)
+            assert torch.equal(sd8["state"][i][f"{name}_scales"], scales), (i, name)
+            assert torch.equal(sd32_back["state"][i][name], decode(codes, scales).view(value.shape))
+    for key, value in state_tensors(again).items():
+        assert torch.equal(value, sd8["state"][key[0]][key[1]]), key
+
+
+def test_second_moment_decode_encode_is_idempotent():
+    """encode(decode(codes, scales)) == (codes, scales): converting 8 -> 32 -> 8 bit (e.g.
+    torch_state_dict() into torch.optim.AdamW and back) should not change the state."""
+    gen = torch.Generator().manual_seed(0)
+    v = (torch.randn(32 * 1000, generator=gen) * 10 ** torch.empty(32 * 1000).uniform_(
+        -4, 0, generator=gen)) ** 2
+    codes, scales = native.encode_second_moment(v)
+    codes2, scales2 = native.encode_second_moment(native.decode_second_moment(codes, scales))
+    assert torch.equal(codes2, codes)
+    assert torch.equal(scales2.view(torch.int16), scales.view(torch.int16))
+
+
+def test_first_moment_decode_encode_is_idempotent():
+    gen = torch.Generator().manual_seed(0)
+    m = torch.randn(32 * 1000, generator=gen) * 10 ** torch.empty(32 * 1000).uniform_(
+        -4, 0, generator=gen)
+    codes, scales = native.encode_moment(m)
+    codes2, scales2 = native.encode_moment(native.decode_moment(codes, scales))
+    assert torch.equal(codes2, codes)
+    assert torch.equal(scales2.view(torch.int16), scales.view(torch.int16))

@@ -1,0 +1,147 @@
+"""release_grads=True: each parameter is stepped inside backward by a post-accumulate-grad hook
+and its gradient freed. The step math is the same kernel on the same per-parameter state, so
+the result must equal the ordinary path (backward, then step()) bit for bit, for every
+optimizer and every state_bits / master_bits setting. Where the mode cannot work (gradient
+accumulation across backward calls, step(closure), GradScaler) it must raise."""
+
+import pytest
+import torch
+from torch import nn
+
+import pagedoptim as po
+
+STEPS = 4
+OPTIMIZERS = {
+    "AdamW": (po.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    "AdamW-amsgrad": (po.AdamW, dict(lr=1e-2, amsgrad=True, maximize=True)),
+    "SGD": (po.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True)),
+    "Lion": (po.Lion, dict(lr=1e-3, weight_decay=0.1)),
+}
+SETTINGS = [(8, 24), (8, 32), (8, None), (32, 24), (32, None)]
+
+
+class Net(nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.embed = nn.Embedding(50, 24)
+        self.hidden = nn.Linear(24, 40)
+        self.out = nn.Linear(40, 50)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        self.to(dtype)
+
+    def forward(self, tokens):
+        return self.out(torch.tanh(self.hidden(self.embed(tokens))))
+
+
+def batch(step):
+    gen = torch.Generator().manual_seed(step)
+    return torch.randint(0, 50, (16,), generator=gen), torch.randint(0, 50, (16,), generator=gen)
+
+
+def loss_of(model, step):
+    tokens, targets = batch(step)
+    return nn.functional.cross_entropy(model(tokens).float(), targets)
+
+
+def train(case, dtype, state_bits, master_bits, release):
+    cls, hyper = OPTIMIZERS[case]
+    model = Net(dtype)
+    opt = cls(model.parameters(), **hyper, state_bits=state_bits, master_bits=master_bits,
+              release_grads=release)
+    for step in range(STEPS):
+        loss_of(model, step).backward()
+        if release:
+            assert all(p.grad is None for p in model.parameters())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("state_bits,master_bits", SETTINGS,
+                         ids=[f"state{s}-master{m}" for s, m in SETTINGS])
+@pytest.mark.parametrize("case", list(OPTIMIZERS))
+def test_release_grads_matches_the_step_path_bit_for_bit(case, state_bits, master_bits, dtype):
+    ours, opt = train(case, dtype, state_bits, master_bits, release=True)
+    ref, ref_opt = train(case, dtype, state_bits, master_bits, release=False)
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        assert torch.equal(p.detach(), q.detach()), name
+    sd, ref_sd = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    assert sd.keys() == ref_sd.keys()
+    for i in sd:
+        assert sd[i].keys() == ref_sd[i].keys()
+        for key in sd[i]:
+            assert torch.equal(sd[i][key], ref_sd[i][key]), (i, key)
+
+
+def live_grad_peak(release):
+    """Largest number of params holding a gradient at any point of one backward, seen from a
+    hook registered before the optimizer's (it runs first, right after accumulation)."""
+    model = Net(torch.float32)
+    params = list(model.parameters())
+    peak = [0]
+
+    def count(_):
+        peak[0] = max(peak[0], sum(p.grad is not None for p in params))
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(count)
+    opt = po.AdamW(params, lr=1e-3, release_grads=release)
+    loss_of(model, 0).backward()
+    opt.step()
+    return peak[0], len(params)
+
+
+def test_at_most_one_gradient_is_alive_during_backward():
+    peak, num_params = live_grad_peak(release=True)
+    assert peak == 1
+    peak_plain, _ = live_grad_peak(release=False)
+    assert peak_plain == num_params
+
+
+def test_grads_are_none_and_state_exists_after_backward():
+    model = Net(torch.bfloat16)
+    opt = po.AdamW(model.parameters(), lr=1e-3, release_grads=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss_of(model, 0).backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+    assert all(opt.state[p]["step"].item() == 1.0 for p in model.parameters())
+    opt.step()
+
+
+def test_second_backward_without_step_raises():
+    model = Net(torch.float32)
+    opt = po.AdamW(model.parameters(), lr=1e-3, release_grads=True)
+    loss_of(model, 0).backward()
+    with pytest.raises(RuntimeError, match="accumulate"):
+        loss_of(model, 1).backward()
+    opt.step()
+    loss_of(model, 2).backward()  # a new round after step() works again
+    opt.step()
+
+
+def test_step_with_closure_raises():
+    model = Net(torch.float32)
+    opt = po.AdamW(model.parameters(), lr=1e-3, release_grads=True)
+
+    def closure():
+        loss = loss_of(model, 0)
+        loss.backward()
+        return loss
+
+    with pytest.raises(RuntimeError, match="closure"):
+        opt.step(closure)
+
+
+def test_grad_scaler_raises():
+    model = Net(torch.float32)
+    opt = po.AdamW(model.parameters(), lr=1e-3, release_grads=True)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(loss_of(model, 0)).backward()
+    with pytest.raises(RuntimeError, match="GradScaler"):
+        scaler.step(opt)
+
