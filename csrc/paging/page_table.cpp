@@ -1,5 +1,6 @@
 #include "pagedoptim/paging/page_table.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -13,7 +14,7 @@ int64_t groups_for(int64_t elements) { return (elements + kGroupSize - 1) / kGro
 }  // namespace
 
 PageTable::PageTable(std::vector<PageGeometry> kinds)
-    : kinds_(std::move(kinds)), open_pages_(kinds_.size(), -1) {
+    : kinds_(std::move(kinds)), open_pages_(kinds_.size()) {
   if (kinds_.empty()) throw std::invalid_argument("a page table needs at least one kind");
   for (const PageGeometry& kind : kinds_) {
     if (kind.page_bytes() != kinds_.front().page_bytes()) {
@@ -47,12 +48,24 @@ int32_t PageTable::add_param(int64_t numel, int kind) {
   // The remainder (or a small parameter) goes into the open page when it fits; a 0-element
   // parameter still gets an (empty) segment so that it owns state like any other.
   const int64_t rest_groups = groups_for(rest);
-  int32_t& open_page = open_pages_[size_t(kind)];
-  if (open_page < 0 ||
-      pages_[size_t(open_page)].used_groups + rest_groups > geometry.capacity_groups()) {
-    open_page = open_new_page(kind);
+  // First fit among the kind's pages that still have room: a large parameter's remainder
+  // (often half a page) would otherwise close the page that small ones were filling.
+  std::vector<int32_t>& open = open_pages_[size_t(kind)];
+  int32_t target = -1;
+  for (int32_t page : open) {
+    if (pages_[size_t(page)].used_groups + rest_groups <= geometry.capacity_groups()) {
+      target = page;
+      break;
+    }
   }
-  place(slot, offset, rest, open_page);
+  if (target < 0) {
+    target = open_new_page(kind);
+    open.push_back(target);
+  }
+  place(slot, offset, rest, target);
+  if (pages_[size_t(target)].used_groups == geometry.capacity_groups()) {
+    open.erase(std::find(open.begin(), open.end(), target));
+  }
   return slot;
 }
 

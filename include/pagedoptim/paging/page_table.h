@@ -2,7 +2,7 @@
 //
 // Parameters are registered once, on their first step, and laid out in registration order.
 // A parameter larger than a page is cut into full pages; what is left of it, and every
-// parameter smaller than a page, is packed into the currently open page when it fits, so a
+// parameter smaller than a page, is packed into the first page with room (first fit), so a
 // LoRA adapter's many small tensors share pages instead of each wasting most of one.
 // Segments start on a group boundary so quantization groups never straddle parameters.
 //
@@ -73,8 +73,9 @@ class PageTable {
   std::vector<PageGeometry> kinds_;
   std::vector<Page> pages_;
   std::vector<ParamLayout> params_;
-  // Per kind, the page its small parameters are packed into (-1 before any).
-  std::vector<int32_t> open_pages_;
+  // Per kind, the pages that still have room, oldest first (small parameters and the
+  // remainders of large ones are packed into the first that fits).
+  std::vector<std::vector<int32_t>> open_pages_;
 };
 
 }  // namespace pagedoptim::paging

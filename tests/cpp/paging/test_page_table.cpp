@@ -77,6 +77,21 @@ TEST(PageTable, SplitsLargeParamsAndPacksTheirRemainder) {
   EXPECT_EQ(table.num_pages(), 3);
 }
 
+TEST(PageTable, PacksIntoTheFirstPageWithRoom) {
+  PageTable table(one_kind(4096));  // 16 groups a page
+  table.add_param(300);                         // 10 groups: page 0 keeps 6 free
+  const int32_t big = table.add_param(800);     // full page 1, 9-group rest opens page 2
+  EXPECT_EQ(table.param(big).pieces.back().page, 2);
+  const int32_t small = table.add_param(100);   // 4 groups: back into page 0
+  EXPECT_EQ(table.param(small).pieces[0].page, 0);
+  const int32_t filler = table.add_param(64);   // the last 2 groups of page 0
+  EXPECT_EQ(table.param(filler).pieces[0].page, 0);
+  EXPECT_EQ(table.page(0).used_groups, 16);
+  const int32_t next = table.add_param(32);     // page 0 is full: first fit is page 2
+  EXPECT_EQ(table.param(next).pieces[0].page, 2);
+  EXPECT_EQ(table.num_pages(), 3);
+}
+
 TEST(PageTable, NoSegmentOverlapsAnother) {
   PageTable table(one_kind(8192));
   const int64_t sizes[] = {1, 31, 32, 33, 1000, 1024, 5000, 0, 7, 64, 2049};
