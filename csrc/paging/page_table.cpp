@@ -45,26 +45,35 @@ int32_t PageTable::add_param(int64_t numel, int kind) {
   const int64_t rest = numel - offset;
   if (rest == 0 && numel > 0) return slot;
 
-  // The remainder (or a small parameter) goes into the open page when it fits; a 0-element
-  // parameter still gets an (empty) segment so that it owns state like any other.
-  const int64_t rest_groups = groups_for(rest);
-  // First fit among the kind's pages that still have room: a large parameter's remainder
-  // (often half a page) would otherwise close the page that small ones were filling.
+  // The remainder (or a small parameter) goes into the first page with room for all of it
+  // (first fit), so small parameters stay whole. A remainder that fits no open page whole is
+  // split at group boundaries over the open pages' free tails before a new page is opened:
+  // two remainders just over half a page each (a Linear(2048, 4096) with 2 MiB pages) would
+  // otherwise waste half a page apiece. A 0-element parameter still gets an (empty) segment
+  // so that it owns state like any other.
   std::vector<int32_t>& open = open_pages_[size_t(kind)];
-  int32_t target = -1;
-  for (int32_t page : open) {
-    if (pages_[size_t(page)].used_groups + rest_groups <= geometry.capacity_groups()) {
-      target = page;
-      break;
-    }
+  const int64_t capacity_groups = geometry.capacity_groups();
+  auto free_groups = [&](int32_t page) { return capacity_groups - pages_[size_t(page)].used_groups; };
+  auto fill = [&](int32_t page, int64_t count) {
+    place(slot, offset, count, page);
+    offset += count;
+    if (free_groups(page) == 0) open.erase(std::find(open.begin(), open.end(), page));
+  };
+  const auto whole = std::find_if(open.begin(), open.end(), [&](int32_t page) {
+    return free_groups(page) >= groups_for(numel - offset);
+  });
+  if (whole != open.end()) {
+    fill(*whole, numel - offset);
+    return slot;
   }
-  if (target < 0) {
-    target = open_new_page(kind);
-    open.push_back(target);
+  while (!open.empty() && numel - offset > 0) {
+    const int32_t page = open.front();
+    fill(page, std::min(numel - offset, free_groups(page) * kGroupSize));
   }
-  place(slot, offset, rest, target);
-  if (pages_[size_t(target)].used_groups == geometry.capacity_groups()) {
-    open.erase(std::find(open.begin(), open.end(), target));
+  if (numel - offset > 0 || numel == 0) {
+    const int32_t page = open_new_page(kind);
+    open.push_back(page);
+    fill(page, numel - offset);
   }
   return slot;
 }

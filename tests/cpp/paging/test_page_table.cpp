@@ -77,19 +77,26 @@ TEST(PageTable, SplitsLargeParamsAndPacksTheirRemainder) {
   EXPECT_EQ(table.num_pages(), 3);
 }
 
-TEST(PageTable, PacksIntoTheFirstPageWithRoom) {
+TEST(PageTable, RemaindersFillFreeTailsAndSmallParamsStayWhole) {
   PageTable table(one_kind(4096));  // 16 groups a page
-  table.add_param(300);                         // 10 groups: page 0 keeps 6 free
-  const int32_t big = table.add_param(800);     // full page 1, 9-group rest opens page 2
-  EXPECT_EQ(table.param(big).pieces.back().page, 2);
-  const int32_t small = table.add_param(100);   // 4 groups: back into page 0
-  EXPECT_EQ(table.param(small).pieces[0].page, 0);
-  const int32_t filler = table.add_param(64);   // the last 2 groups of page 0
-  EXPECT_EQ(table.param(filler).pieces[0].page, 0);
+  table.add_param(300);  // 10 groups: page 0 keeps 6 free
+  // 25 groups: a full page 1, then the 9-group rest fits no open page whole, so it fills
+  // page 0's 6 free groups and opens page 2 for the last 3.
+  const int32_t big = table.add_param(800);
+  ASSERT_EQ(table.param(big).pieces.size(), 3u);
+  EXPECT_EQ(table.param(big).pieces[0].page, 1);
+  EXPECT_EQ(table.param(big).pieces[1].page, 0);
+  EXPECT_EQ(table.param(big).pieces[2].page, 2);
+  EXPECT_EQ(table.segment(table.param(big).pieces[1]).count, 6 * 32);
   EXPECT_EQ(table.page(0).used_groups, 16);
-  const int32_t next = table.add_param(32);     // page 0 is full: first fit is page 2
-  EXPECT_EQ(table.param(next).pieces[0].page, 2);
+  // A small parameter that fits whole somewhere is never split.
+  const int32_t small = table.add_param(100);
+  ASSERT_EQ(table.param(small).pieces.size(), 1u);
+  EXPECT_EQ(table.param(small).pieces[0].page, 2);
   EXPECT_EQ(table.num_pages(), 3);
+  const int32_t empty = table.add_param(0);
+  ASSERT_EQ(table.param(empty).pieces.size(), 1u);
+  EXPECT_EQ(table.segment(table.param(empty).pieces[0]).count, 0);
 }
 
 TEST(PageTable, NoSegmentOverlapsAnother) {
