@@ -10,6 +10,7 @@ every machine with the same Python version.
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 import os
 import pathlib
@@ -27,6 +28,7 @@ import pagedoptim
 VOCAB_SIZE = 256  # bytes
 PAGEDOPTIM_NAME = "pagedoptim.AdamW"
 TORCH_NAME = "torch.optim.AdamW"
+BETAS = (0.9, 0.95)  # the usual choice for LM pretraining
 
 
 # --- data ----------------------------------------------------------------------------------
@@ -256,6 +258,11 @@ def print_report(args: argparse.Namespace, corpus_bytes: int, paged: RunResult, 
         f"{args.steps} steps of batch {args.batch} x seq_len {args.seq_len}; seed {args.seed}; "
         f"{torch.get_num_threads()} threads"
     )
+    print(
+        f"{PAGEDOPTIM_NAME}(state_bits={args.state_bits}) vs {TORCH_NAME}: peak lr {args.lr:g} "
+        f"(warmup, cosine decay), betas {BETAS}, weight decay {args.weight_decay:g}, "
+        f"grad norm clipped at {args.clip_grad_norm:g}"
+    )
     print()
     print(f"{'step':>6} | {'loss ' + PAGEDOPTIM_NAME:>24} | {'loss ' + TORCH_NAME:>24} | {'abs diff':>9}")
     print(f"{'-' * 6}-+-{'-' * 24}-+-{'-' * 24}-+-{'-' * 9}")
@@ -285,7 +292,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=16, help="sequences per batch (default: %(default)s)")
     parser.add_argument("--seq-len", type=int, default=128, help="bytes per sequence (default: %(default)s)")
     parser.add_argument("--d-model", type=int, default=128, help="model width (default: %(default)s)")
-    parser.add_argument("--layers", type=int, default=2, help="transformer blocks (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=4, help="transformer blocks (default: %(default)s)")
     parser.add_argument("--heads", type=int, default=4, help="attention heads (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: %(default)s)")
     parser.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default: %(default)s)")
@@ -317,13 +324,15 @@ def _validate(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _validate(args)
-    hyperparameters = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
-    paged_options = {} if args.state_bits is None else {"state_bits": args.state_bits}
+    hyperparameters = dict(lr=args.lr, betas=BETAS, eps=1e-8, weight_decay=args.weight_decay)
+    if args.state_bits is None:
+        # Resolved here rather than left to the constructor so the report names what ran.
+        args.state_bits = inspect.signature(pagedoptim.AdamW).parameters["state_bits"].default
 
     corpus = load_stdlib_bytes(args.corpus_bytes)
     batches = BatchSampler(corpus, steps=args.steps, batch=args.batch, seq_len=args.seq_len, seed=args.seed + 1)
 
-    paged = train(PAGEDOPTIM_NAME, lambda p: pagedoptim.AdamW(p, **hyperparameters, **paged_options), args, batches)
+    paged = train(PAGEDOPTIM_NAME, lambda p: pagedoptim.AdamW(p, **hyperparameters, state_bits=args.state_bits), args, batches)
     reference = train(TORCH_NAME, lambda p: torch.optim.AdamW(p, **hyperparameters), args, batches)
 
     print_report(args, corpus.numel(), paged, reference)
