@@ -94,6 +94,28 @@ class MemoryBandwidth:
         return self.inplace_add_gbps
 
 
+class StreamingProbe:
+    """The roofline kernel as a callable: one in-place add over two fp32 buffers (>= 512 MiB
+    each, so the last-level cache holds a negligible share of them).
+
+    Passing it to `time_interleaved` next to the kernels under test measures the bandwidth the
+    machine delivered in the same rounds, under the same neighbours, which a single measurement
+    at the start cannot: on a shared machine it drifts by 20% and more within minutes.
+    """
+
+    def __init__(self, buffer_bytes: int = 512 << 20):
+        elements = buffer_bytes // 4
+        self._source = torch.ones(elements, dtype=torch.float32)
+        self._destination = torch.ones(elements, dtype=torch.float32)  # ones: fault pages in now
+        self.bytes_moved = 3 * elements * 4  # read both, write the destination
+
+    def __call__(self) -> None:
+        self._destination.add_(self._source)
+
+    def gbps(self, seconds: float) -> float:
+        return self.bytes_moved / seconds / 1e9
+
+
 def measure_memory_bandwidth(buffer_bytes: int = 512 << 20, repeats: int = 10) -> MemoryBandwidth:
     """Measure streaming bandwidth with fp32 buffers of `buffer_bytes` each (>= 512 MiB so
     that the last-level cache holds a negligible share of them).
