@@ -128,34 +128,59 @@ void sgd_stateless(const ParamSpan& span, const MomentumStreams& st, const SGDSc
   }
 }
 
-template <class Io>
-void sgd_fp32_state(const ParamSpan& span, const MomentumStreams& st, const SGDScalars& s) {
+// SGD's momentum buffer and Lion's first moment are one first-moment stream each, updated
+// by an element rule: one pair of loops (fp32 state, 8-bit groups) serves both.
+struct SgdRule {
+  using Scalars = SGDScalars;
+  static inline void apply(float& p, float g, float& m, const Scalars& s) {
+    codec::sgd_momentum_element(p, g, m, s);
+  }
+};
+
+struct LionRule {
+  using Scalars = LionScalars;
+  static inline void apply(float& p, float g, float& m, const Scalars& s) {
+    codec::lion_element(p, g, m, s);
+  }
+};
+
+template <class Io, class Rule>
+void momentum_fp32_state(const ParamSpan& span, const MomentumStreams& st,
+                         const typename Rule::Scalars& s) {
   const Io io(span, st.residual);
-  float* PO_RESTRICT buffer = static_cast<float*>(st.m.values);
+  float* PO_RESTRICT m = static_cast<float*>(st.m.values);
   const int64_t n = span.count;
 #pragma GCC ivdep
   for (int64_t i = 0; i < n; ++i) {
     float p = io.param(i);
-    codec::sgd_momentum_element(p, io.grad(i), buffer[i], s);
+    Rule::apply(p, io.grad(i), m[i], s);
     io.store(i, p);
   }
 }
 
-template <class Io>
-void sgd_8bit_state(const ParamSpan& span, const MomentumStreams& st, const SGDScalars& s) {
+template <class Io, class Rule>
+void momentum_8bit_state(const ParamSpan& span, const MomentumStreams& st,
+                         const typename Rule::Scalars& s) {
   const Io io(span, st.residual);
   int8_t* PO_RESTRICT codes = static_cast<int8_t*>(st.m.values);
   for_each_group(span.count, [&](int64_t base, auto count) {
     const int64_t group = base / kGroupSize;
-    float buffer[kGroupSize];
-    codec::decode_moment_group(codes + base, st.m.scales[group], count, buffer);
+    float m[kGroupSize];
+    codec::decode_moment_group(codes + base, st.m.scales[group], count, m);
     for (int i = 0; i < count; ++i) {
       float p = io.param(base + i);
-      codec::sgd_momentum_element(p, io.grad(base + i), buffer[i], s);
+      Rule::apply(p, io.grad(base + i), m[i], s);
       io.store(base + i, p);
     }
-    st.m.scales[group] = codec::encode_moment_group(buffer, count, codes + base);
+    st.m.scales[group] = codec::encode_moment_group(m, count, codes + base);
   });
+}
+
+template <class Io, class Rule>
+void momentum_state(const ParamSpan& span, const MomentumStreams& st,
+                    const typename Rule::Scalars& s) {
+  st.m.quantized() ? momentum_8bit_state<Io, Rule>(span, st, s)
+                   : momentum_fp32_state<Io, Rule>(span, st, s);
 }
 
 template <class Io>
@@ -163,10 +188,8 @@ struct SGDBody {
   static void run(const ParamSpan& span, const MomentumStreams& st, const SGDScalars& s) {
     if (!st.m.present()) {
       sgd_stateless<Io>(span, st, s);
-    } else if (st.m.quantized()) {
-      sgd_8bit_state<Io>(span, st, s);
     } else {
-      sgd_fp32_state<Io>(span, st, s);
+      momentum_state<Io, SgdRule>(span, st, s);
     }
   }
 };
@@ -179,39 +202,9 @@ void sgd(const ParamSpan& span, const MomentumStreams& st, const SGDScalars& s) 
 // Lion
 
 template <class Io>
-void lion_fp32_state(const ParamSpan& span, const MomentumStreams& st, const LionScalars& s) {
-  const Io io(span, st.residual);
-  float* PO_RESTRICT m = static_cast<float*>(st.m.values);
-  const int64_t n = span.count;
-#pragma GCC ivdep
-  for (int64_t i = 0; i < n; ++i) {
-    float p = io.param(i);
-    codec::lion_element(p, io.grad(i), m[i], s);
-    io.store(i, p);
-  }
-}
-
-template <class Io>
-void lion_8bit_state(const ParamSpan& span, const MomentumStreams& st, const LionScalars& s) {
-  const Io io(span, st.residual);
-  int8_t* PO_RESTRICT codes = static_cast<int8_t*>(st.m.values);
-  for_each_group(span.count, [&](int64_t base, auto count) {
-    const int64_t group = base / kGroupSize;
-    float m[kGroupSize];
-    codec::decode_moment_group(codes + base, st.m.scales[group], count, m);
-    for (int i = 0; i < count; ++i) {
-      float p = io.param(base + i);
-      codec::lion_element(p, io.grad(base + i), m[i], s);
-      io.store(base + i, p);
-    }
-    st.m.scales[group] = codec::encode_moment_group(m, count, codes + base);
-  });
-}
-
-template <class Io>
 struct LionBody {
   static void run(const ParamSpan& span, const MomentumStreams& st, const LionScalars& s) {
-    st.m.quantized() ? lion_8bit_state<Io>(span, st, s) : lion_fp32_state<Io>(span, st, s);
+    momentum_state<Io, LionRule>(span, st, s);
   }
 };
 
