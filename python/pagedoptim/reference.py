@@ -326,6 +326,19 @@ def lerp(start: torch.Tensor, end: torch.Tensor, weight: float) -> torch.Tensor:
     return fma32(w - _ONE, end - start, end)
 
 
+def power_of(base: float, exponent: int) -> float:
+    """beta**step by repeated squaring, the sequence of double multiplications the kernels
+    use on both backends (codec/update_rules.h power_of)."""
+    result = 1.0
+    exponent = int(exponent)
+    while exponent > 0:
+        if exponent & 1:
+            result *= base
+        base *= base
+        exponent >>= 1
+    return result
+
+
 def adamw_update(param, grad, m, v, v_denominator, v_max, v_max_denominator, *, lr, beta1,
                  beta2, eps, weight_decay, step, maximize, amsgrad):
     """One AdamW element update; v_denominator / v_max_denominator are the previous v / v_max
@@ -334,8 +347,8 @@ def adamw_update(param, grad, m, v, v_denominator, v_max, v_max_denominator, *, 
     decay = f32(1.0 - lr * weight_decay)
     # torch's lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps), multiplied through by sqrt(bc2) as
     # codec/update_rules.h does (one division per element).
-    bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** step)
-    neg_scaled_step = f32(-lr / (1.0 - beta1 ** step) * bias_correction2_sqrt)
+    bias_correction2_sqrt = math.sqrt(1.0 - power_of(beta2, step))
+    neg_scaled_step = f32(-lr / (1.0 - power_of(beta1, step)) * bias_correction2_sqrt)
     scaled_eps = f32(eps * bias_correction2_sqrt)
     grad = -grad if maximize else grad
     param = param * decay

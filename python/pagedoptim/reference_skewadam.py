@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from pagedoptim.reference import power_of
 from pagedoptim.skewadam import ParamLayout, layout_of
 from pagedoptim.tiers import check_tier
 
@@ -44,8 +45,8 @@ class SkewAdamReference:
         state = self.state.setdefault(p, {"step": 0})
         state["step"] += 1
         t = state["step"]
-        bias_correction1 = 1.0 - beta1 ** t
-        bias_correction2 = 1.0 - beta2 ** t
+        bias_correction1 = 1.0 - power_of(beta1, t)
+        bias_correction2 = 1.0 - power_of(beta2, t)
         w = p.detach().float()
         w.mul_(_f32(1.0 - self.lr * self.weight_decay))
         if layout.factored:

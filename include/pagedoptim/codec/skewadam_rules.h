@@ -50,10 +50,12 @@ struct SkewAdamScalars {
   float bias_correction2_sqrt;  // sqrt(1 - beta2^t)
 };
 
-inline SkewAdamScalars make_skewadam_scalars(double lr, double beta1, double beta2, double eps,
-                                             double weight_decay, long step) {
+PO_HOST_DEVICE SkewAdamScalars make_skewadam_scalars(double lr, double beta1, double beta2,
+                                                     double eps, double weight_decay,
+                                                     long long step) {
   SkewAdamScalars s;
-  // In double, as Python computes AdamW's scalars, then rounded once.
+  // In double, as Python computes AdamW's scalars, then rounded once; beta^t by power_of so
+  // that the CUDA scalar kernel computes the same bits (update_rules.h).
   s.decay = float(1.0 - lr * weight_decay);
   s.beta1 = float(beta1);
   s.one_minus_beta1 = float(1.0 - beta1);
@@ -61,10 +63,10 @@ inline SkewAdamScalars make_skewadam_scalars(double lr, double beta1, double bet
   s.one_minus_beta2 = float(1.0 - beta2);
   s.eps = float(eps);
   s.lr = float(lr);
-  s.step_size = float(lr / (1.0 - std::pow(beta1, double(step))));
-  const double bias_correction2 = 1.0 - std::pow(beta2, double(step));
+  s.step_size = float(lr / (1.0 - power_of(beta1, step)));
+  const double bias_correction2 = 1.0 - power_of(beta2, step);
   s.bias_correction2 = float(bias_correction2);
-  s.bias_correction2_sqrt = float(std::sqrt(bias_correction2));
+  s.bias_correction2_sqrt = float(sqrt(bias_correction2));
   return s;
 }
 
@@ -80,7 +82,7 @@ PO_HOST_DEVICE float skewadam_running_mean(float state, float mean_now,
 }
 
 // 1 / (mean(R) * bc2) of one matrix, from the sum of its new row means.
-PO_HOST_DEVICE float skewadam_inverse_norm(double row_mean_sum, long rows,
+PO_HOST_DEVICE float skewadam_inverse_norm(double row_mean_sum, long long rows,
                                            const SkewAdamScalars& s) {
   return float(1.0 / (row_mean_sum / double(rows) * double(s.bias_correction2)));
 }

@@ -32,8 +32,24 @@ struct AdamWScalars {
   float grad_sign;         // -1 when maximizing
 };
 
-inline AdamWScalars make_adamw_scalars(double lr, double beta1, double beta2, double eps,
-                                       double weight_decay, long step, bool maximize) {
+// beta^step by repeated squaring in double. std::pow and CUDA's pow may differ in the last
+// bit; the step scalars must be the same on both backends (the CUDA path computes them on
+// the device, from step counters that live there), so both use this one sequence of IEEE
+// multiplications. It differs from a correctly rounded pow by a few double ulps, far below
+// the float rounding the scalars then get.
+PO_HOST_DEVICE double power_of(double base, long long exponent) {
+  double result = 1.0;
+  while (exponent > 0) {
+    if (exponent & 1) result *= base;
+    base *= base;
+    exponent >>= 1;
+  }
+  return result;
+}
+
+PO_HOST_DEVICE AdamWScalars make_adamw_scalars(double lr, double beta1, double beta2, double eps,
+                                               double weight_decay, long long step,
+                                               bool maximize) {
   AdamWScalars s;
   // torch computes these in Python floats (double) and hands them to the kernels as
   // scalars; doing the same keeps the rounding identical.
@@ -42,8 +58,8 @@ inline AdamWScalars make_adamw_scalars(double lr, double beta1, double beta2, do
   s.one_minus_beta1 = float(1.0 - beta1);
   s.beta2 = float(beta2);
   s.one_minus_beta2 = float(1.0 - beta2);
-  const double bias_correction1 = 1.0 - std::pow(beta1, double(step));
-  const double bias_correction2_sqrt = std::sqrt(1.0 - std::pow(beta2, double(step)));
+  const double bias_correction1 = 1.0 - power_of(beta1, step);
+  const double bias_correction2_sqrt = sqrt(1.0 - power_of(beta2, step));
   s.neg_scaled_step = float(-lr / bias_correction1 * bias_correction2_sqrt);
   s.scaled_eps = float(eps * bias_correction2_sqrt);
   s.grad_sign = maximize ? -1.0f : 1.0f;
@@ -99,7 +115,7 @@ struct SGDScalars {
   bool first_step;  // the momentum buffer starts as a copy of the first gradient
 };
 
-inline SGDScalars make_sgd_scalars(double lr, double momentum, double dampening,
+PO_HOST_DEVICE SGDScalars make_sgd_scalars(double lr, double momentum, double dampening,
                                    double weight_decay, bool nesterov, bool maximize,
                                    bool first_step) {
   SGDScalars s;
@@ -148,7 +164,7 @@ struct LionScalars {
   float grad_sign;
 };
 
-inline LionScalars make_lion_scalars(double lr, double beta1, double beta2,
+PO_HOST_DEVICE LionScalars make_lion_scalars(double lr, double beta1, double beta2,
                                      double weight_decay, bool maximize) {
   LionScalars s;
   s.lr = float(lr);
