@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "optim/param_chunks.h"
 #include "pagedoptim/common.h"
 
 namespace pagedoptim::optim {
@@ -16,9 +17,6 @@ namespace {
 constexpr int64_t kChunkElements = 32 * 1024;
 static_assert(kChunkElements % kGroupSize == 0);
 
-int64_t element_size(kernels::ElementType type) {
-  return type == kernels::ElementType::kFloat32 ? 4 : 2;
-}
 
 struct WorkItem {
   int32_t param;    // index into the call's params
@@ -106,17 +104,31 @@ int32_t PagedState::register_param(int64_t numel, int kind) {
   if (stateless_) {
     throw std::logic_error("this optimizer keeps no state; nothing to register");
   }
+  // The store may fail to provide the new pages (a full device, a full disk): the table
+  // then forgets the parameter again, so a retry lays it out afresh instead of leaving
+  // pages behind that no parameter uses.
+  paging::PageTable before = table_;
   const int32_t slot = table_.add_param(numel, kind);
-  store_->grow(table_.num_pages());
+  try {
+    store_->grow(table_.num_pages());
+  } catch (...) {
+    table_ = std::move(before);
+    throw;
+  }
   return slot;
+}
+
+int64_t PagedState::stream_offset(int kind, int stream, const paging::Segment& segment,
+                                  int64_t begin) const {
+  const paging::PageGeometry& geometry = table_.geometry(kind);
+  return geometry.stream_offset(stream) +
+         geometry.streams()[size_t(stream)].offset_of(segment.page_offset + begin);
 }
 
 void* PagedState::stream_ptr(int kind, int stream, std::byte* page,
                              const paging::Segment& segment, int64_t begin) const {
   if (stream < 0) return nullptr;
-  const paging::PageGeometry& geometry = table_.geometry(kind);
-  return page + geometry.stream_offset(stream) +
-         geometry.streams()[size_t(stream)].offset_of(segment.page_offset + begin);
+  return page + stream_offset(kind, stream, segment, begin);
 }
 
 kernels::MomentStream PagedState::moment_ptr(int kind, const KindStreams::Moment& moment,
@@ -158,15 +170,14 @@ void PagedState::check_param(const ParamStep& param, size_t num_groups) const {
   }
 }
 
-template <class Apply>
-void PagedState::for_each_chunk(const std::vector<ParamStep>& params,
-                                const ParallelFor& parallel_for, const Apply& apply) {
+std::vector<int32_t> PagedState::plan_pages(const std::vector<ParamStep>& params) {
   // The plan: every page that holds a segment of a parameter stepped now, in page order
   // (registration order, so consecutive parameters share pages and cache lines). Every
   // other step walks it backwards: the pages used last in one step are the first ones
   // needed in the next, so a store that cannot hold everything finds them still resident.
   std::vector<int32_t> plan;
   for (const ParamStep& param : params) {
+    if (param.slot < 0) continue;  // stateless SGD: no pages
     for (const paging::PagePiece& piece : table_.param(param.slot).pieces) {
       plan.push_back(piece.page);
     }
@@ -174,9 +185,51 @@ void PagedState::for_each_chunk(const std::vector<ParamStep>& params,
   std::sort(plan.begin(), plan.end());
   plan.erase(std::unique(plan.begin(), plan.end()), plan.end());
   if (steps_taken_++ % 2 == 1) std::reverse(plan.begin(), plan.end());
+  store_->plan(plan);
+  return plan;
+}
+
+void PagedState::check_adamw_params(const std::vector<ParamStep>& params,
+                                    const std::vector<AdamWGroup>& groups) const {
+  for (const ParamStep& param : params) {
+    check_param(param, groups.size());
+    const KindStreams& k = kind_streams_[size_t(table_.param(param.slot).kind)];
+    if (groups[size_t(param.group)].amsgrad && k.v_max.values < 0) {
+      throw std::invalid_argument(
+          "amsgrad was turned on after the first step; the state has no max_exp_avg_sq");
+    }
+  }
+}
+
+void PagedState::check_sgd_params(const std::vector<ParamStep>& params,
+                                  const std::vector<SGDGroup>& groups) const {
+  for (const ParamStep& param : params) {
+    check_param(param, groups.size());
+    if (groups[size_t(param.group)].momentum != 0.0 &&
+        (param.slot < 0 || kind_streams_[size_t(table_.param(param.slot).kind)].m.values < 0)) {
+      throw std::invalid_argument(
+          "momentum was turned on after the first step; the state has no momentum_buffer");
+    }
+  }
+}
+
+void PagedState::pin_batch(const std::vector<int32_t>& plan, size_t begin, size_t end,
+                           std::vector<std::byte*>& pages) {
+  size_t pinned = begin;
+  try {
+    for (; pinned < end; ++pinned) pages[size_t(plan[pinned])] = store_->pin(plan[pinned]);
+  } catch (...) {
+    for (size_t i = begin; i < pinned; ++i) store_->unpin(plan[i], /*dirty=*/false);
+    throw;
+  }
+}
+
+template <class Apply>
+void PagedState::for_each_chunk(const std::vector<ParamStep>& params,
+                                const ParallelFor& parallel_for, const Apply& apply) {
+  const std::vector<int32_t> plan = plan_pages(params);
   std::vector<int32_t> position(size_t(table_.num_pages()), -1);
   for (size_t i = 0; i < plan.size(); ++i) position[size_t(plan[i])] = int32_t(i);
-  store_->plan(plan);
 
   std::vector<WorkItem> items;
   for (size_t p = 0; p < params.size(); ++p) {
@@ -201,15 +254,7 @@ void PagedState::for_each_chunk(const std::vector<ParamStep>& params,
   size_t next_item = 0;
   for (size_t batch_begin = 0; batch_begin < plan.size(); batch_begin += batch_pages) {
     const size_t batch_end = std::min(plan.size(), batch_begin + batch_pages);
-    size_t pinned = batch_begin;
-    try {
-      for (; pinned < batch_end; ++pinned) {
-        page_bytes[size_t(plan[pinned])] = store_->pin(plan[pinned]);
-      }
-    } catch (...) {
-      for (size_t i = batch_begin; i < pinned; ++i) store_->unpin(plan[i], /*dirty=*/false);
-      throw;
-    }
+    pin_batch(plan, batch_begin, batch_end, page_bytes);
     size_t items_end = next_item;
     while (items_end < items.size() &&
            size_t(position[size_t(items[items_end].page)]) < batch_end) {
@@ -233,36 +278,18 @@ void PagedState::for_each_chunk_of(const std::vector<ParamStep>& params,
   for_each_chunk(params, parallel_for, apply);
 }
 
-namespace {
-
-// The parameter/gradient elements of a chunk of a segment.
-kernels::ParamSpan chunk_span(const kernels::ParamSpan& whole, const paging::Segment& segment,
-                              int64_t begin, int64_t count) {
-  const int64_t offset = (segment.param_offset + begin) * element_size(whole.type);
-  return kernels::ParamSpan{static_cast<char*>(whole.param) + offset,
-                            static_cast<const char*>(whole.grad) + offset, count, whole.type};
-}
-
-}  // namespace
 
 void PagedState::step_adamw(const std::vector<ParamStep>& params,
                             const std::vector<AdamWGroup>& groups,
                             const ParallelFor& parallel_for) {
-  for (const ParamStep& param : params) {
-    check_param(param, groups.size());
-    const KindStreams& k = kind_streams_[size_t(table_.param(param.slot).kind)];
-    if (groups[size_t(param.group)].amsgrad && k.v_max.values < 0) {
-      throw std::invalid_argument(
-          "amsgrad was turned on after the first step; the state has no max_exp_avg_sq");
-    }
-  }
+  check_adamw_params(params, groups);
   std::vector<codec::AdamWScalars> scalars;
   scalars.reserve(params.size());
   for (const ParamStep& param : params) {
     const AdamWGroup& g = groups[size_t(param.group)];
     *param.step += 1.0f;
     scalars.push_back(codec::make_adamw_scalars(g.lr, g.beta1, g.beta2, g.eps, g.weight_decay,
-                                                long(*param.step), g.maximize));
+                                                (long long)(*param.step), g.maximize));
   }
   const kernels::CpuKernelTable& kernel = kernels::cpu_kernels();
   for_each_chunk(params, parallel_for,
@@ -285,14 +312,7 @@ void PagedState::step_adamw(const std::vector<ParamStep>& params,
 void PagedState::step_sgd(const std::vector<ParamStep>& params,
                           const std::vector<SGDGroup>& groups,
                           const ParallelFor& parallel_for) {
-  for (const ParamStep& param : params) {
-    check_param(param, groups.size());
-    if (groups[size_t(param.group)].momentum != 0.0 &&
-        (param.slot < 0 || kind_streams_[size_t(table_.param(param.slot).kind)].m.values < 0)) {
-      throw std::invalid_argument(
-          "momentum was turned on after the first step; the state has no momentum_buffer");
-    }
-  }
+  check_sgd_params(params, groups);
   std::vector<codec::SGDScalars> scalars;
   scalars.reserve(params.size());
   for (const ParamStep& param : params) {
@@ -402,10 +422,8 @@ void PagedState::read_stream(int32_t slot, const std::string& stream, void* out)
   char* cursor = static_cast<char*>(out);
   for (const paging::PagePiece& piece : table_.param(slot).pieces) {
     const paging::Segment& segment = table_.segment(piece);
-    std::byte* page = store_->pin(piece.page);
     const int64_t bytes = spec.bytes_for(segment.count);
-    std::memcpy(cursor, stream_ptr(kind, index, page, segment, 0), size_t(bytes));
-    store_->unpin(piece.page, /*dirty=*/false);
+    store_->read_bytes(piece.page, stream_offset(kind, index, segment, 0), cursor, bytes);
     cursor += bytes;
   }
 }
@@ -417,10 +435,8 @@ void PagedState::write_stream(int32_t slot, const std::string& stream, const voi
   const char* cursor = static_cast<const char*>(in);
   for (const paging::PagePiece& piece : table_.param(slot).pieces) {
     const paging::Segment& segment = table_.segment(piece);
-    std::byte* page = store_->pin(piece.page);
     const int64_t bytes = spec.bytes_for(segment.count);
-    std::memcpy(stream_ptr(kind, index, page, segment, 0), cursor, size_t(bytes));
-    store_->unpin(piece.page, /*dirty=*/true);
+    store_->write_bytes(piece.page, stream_offset(kind, index, segment, 0), cursor, bytes);
     cursor += bytes;
   }
 }

@@ -41,9 +41,8 @@ std::string describe(size_t index) { return "SkewAdam parameter " + std::to_stri
 
 }  // namespace
 
-void PagedState::step_skewadam(const std::vector<SkewAdamParamStep>& params,
-                               const std::vector<SkewAdamGroup>& groups,
-                               const ParallelFor& parallel_for) {
+void PagedState::check_skewadam_params(const std::vector<SkewAdamParamStep>& params,
+                                       const std::vector<SkewAdamGroup>& groups) const {
   for (size_t i = 0; i < params.size(); ++i) {
     const SkewAdamParamStep& p = params[i];
     const bool factored = p.factor_slot >= 0;
@@ -91,13 +90,19 @@ void PagedState::step_skewadam(const std::vector<SkewAdamParamStep>& params,
     }
   }
 
+}
+
+void PagedState::step_skewadam(const std::vector<SkewAdamParamStep>& params,
+                               const std::vector<SkewAdamGroup>& groups,
+                               const ParallelFor& parallel_for) {
+  check_skewadam_params(params, groups);
   std::vector<codec::SkewAdamScalars> scalars;
   scalars.reserve(params.size());
   for (const SkewAdamParamStep& p : params) {
     const SkewAdamGroup& g = groups[size_t(p.step.group)];
     *p.step.step += 1.0f;
     scalars.push_back(codec::make_skewadam_scalars(g.lr, g.beta1, g.beta2, g.eps,
-                                                   g.weight_decay, long(*p.step.step)));
+                                                   g.weight_decay, (long long)(*p.step.step)));
   }
   const kernels::SkewAdamKernelTable& kernel = kernels::skewadam_cpu_kernels();
 

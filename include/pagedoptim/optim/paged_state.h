@@ -15,6 +15,8 @@
 
 #include "kernels/cpu/step_kernels.h"
 #include "pagedoptim/codec/skewadam_rules.h"
+#include "pagedoptim/optim/groups.h"
+#include "pagedoptim/optim/table_runner.h"
 #include "pagedoptim/paging/page_store.h"
 #include "pagedoptim/paging/page_table.h"
 
@@ -33,25 +35,6 @@ struct ParamStep {
   kernels::ParamSpan span;  // the whole parameter and its gradient
   int32_t group;            // index into the group hyperparameters of the call
   float* step;              // the parameter's step counter, incremented by the step
-};
-
-struct AdamWGroup {
-  double lr, beta1, beta2, eps, weight_decay;
-  bool amsgrad, maximize;
-};
-
-struct SGDGroup {
-  double lr, momentum, dampening, weight_decay;
-  bool nesterov, maximize;
-};
-
-struct LionGroup {
-  double lr, beta1, beta2, weight_decay;
-  bool maximize;
-};
-
-struct SkewAdamGroup {
-  double lr, beta1, beta2, eps, weight_decay;
 };
 
 // A SkewAdam parameter (codec/skewadam_rules.h). `step.slot` is -1 for a parameter without
@@ -107,11 +90,26 @@ class PagedState {
                 const ParallelFor& parallel_for);
   void step_lion(const std::vector<ParamStep>& params, const std::vector<LionGroup>& groups,
                  const ParallelFor& parallel_for);
+  // The same steps through work tables, for state on a compute device: the runner
+  // prepares the scalars next to the step counters (ParamStep::step points into the
+  // runner's memory then) and runs one kernel per variant and batch of pinned pages.
+  // Defined in table_step.cpp.
+  void step_adamw(const std::vector<ParamStep>& params, const std::vector<AdamWGroup>& groups,
+                  TableRunner& runner);
+  void step_sgd(const std::vector<ParamStep>& params, const std::vector<SGDGroup>& groups,
+                TableRunner& runner);
+  void step_lion(const std::vector<ParamStep>& params, const std::vector<LionGroup>& groups,
+                 TableRunner& runner);
   // Two phases in one call: the row and column statistics of every factored parameter
   // (they need its whole gradient), then the elementwise pass over the pages. Defined in
   // skewadam_step.cpp.
   void step_skewadam(const std::vector<SkewAdamParamStep>& params,
                      const std::vector<SkewAdamGroup>& groups, const ParallelFor& parallel_for);
+
+  // SkewAdam through the table kernels: the statistics kernels on contiguous copies of the
+  // factor streams, then the elementwise tables. Defined in skewadam_table_step.cpp.
+  void step_skewadam(const std::vector<SkewAdamParamStep>& params,
+                     const std::vector<SkewAdamGroup>& groups, TableRunner& runner);
 
   // Copies the stream named `stream` of one parameter out of / into its pages, as the raw
   // bytes of the stream (stream_bytes() of them), in element order. Used by state_dict().
@@ -126,6 +124,24 @@ class PagedState {
   bool stateless() const { return stateless_; }
 
  private:
+  // The pages of a step's parameters in the order they will be pinned (see
+  // for_each_chunk), handed to the store as its plan.
+  std::vector<int32_t> plan_pages(const std::vector<ParamStep>& params);
+  // Pins plan[begin, end) into pages[page id]; on a failed pin unpins what it pinned,
+  // unchanged, and rethrows, so the store never sees a page marked written that was not.
+  void pin_batch(const std::vector<int32_t>& plan, size_t begin, size_t end,
+                 std::vector<std::byte*>& pages);
+  // Row builder of the table step: the variant and row of segment `segment` of parameter
+  // `param`, whose page is resident at `page`.
+  using RowFn = std::function<void(size_t param, const paging::Segment& segment,
+                                   std::byte* page, kernels::StepVariant& variant,
+                                   kernels::StepRow& row)>;
+  // Pins the plan in batches, builds every row of each batch with `make_row`, runs the
+  // batch's tables on `runner`, unpins. `extra` rows (parameters without pages) run in the
+  // first batch.
+  void run_tables(const std::vector<ParamStep>& params, TableRunner& runner,
+                  const RowFn& make_row, std::vector<std::pair<kernels::StepVariant,
+                                                               kernels::StepRow>> extra);
   // Calls apply(param_index, segment, page_bytes, chunk_begin, chunk_count) for every chunk
   // of every segment of the parameters in `params`, pages pinned around it.
   template <class Apply>
@@ -137,11 +153,24 @@ class PagedState {
   void for_each_chunk_of(const std::vector<ParamStep>& params, const ParallelFor& parallel_for,
                          const ChunkFn& apply);
   void check_param(const ParamStep& param, size_t num_groups) const;
+  void check_adamw_params(const std::vector<ParamStep>& params,
+                          const std::vector<AdamWGroup>& groups) const;
+  void check_sgd_params(const std::vector<ParamStep>& params,
+                        const std::vector<SGDGroup>& groups) const;
+  void check_skewadam_params(const std::vector<SkewAdamParamStep>& params,
+                             const std::vector<SkewAdamGroup>& groups) const;
+  // Copies stream `stream` of `slot` between its pages and `buffer` (contiguous, in element
+  // order, in the runner's memory) with the runner's copy, so no host code touches page bytes.
+  void copy_stream_with(TableRunner& runner, int32_t slot, const std::string& stream,
+                        void* buffer, bool into_pages);
 
   // Stream `stream` (an index into the kind's streams, -1 for none) of element `begin` of
   // `segment`, inside the resident `page` of kind `kind`; nullptr for stream -1.
   void* stream_ptr(int kind, int stream, std::byte* page, const paging::Segment& segment,
                    int64_t begin) const;
+  // The byte offset of that element inside its page (stream >= 0).
+  int64_t stream_offset(int kind, int stream, const paging::Segment& segment,
+                        int64_t begin) const;
   kernels::MomentStream moment_ptr(int kind, const KindStreams::Moment& moment,
                                    std::byte* page, const paging::Segment& segment,
                                    int64_t begin) const;

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <climits>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -29,6 +30,21 @@ class PageStore {
   // How many pages may be pinned at once (the driver pins its plan in batches of this
   // size). A store with a budget returns what fits in it, at least 1.
   virtual int32_t pin_limit() const { return INT32_MAX; }
+
+  // Copies `bytes` bytes at `offset` of a page out to / in from host memory (state_dict and
+  // load_state_dict). The default pins the page and copies on this thread; a store whose
+  // pages live in device memory copies through the device instead, since host code never
+  // dereferences a device page.
+  virtual void read_bytes(int32_t page, int64_t offset, void* out, int64_t bytes) {
+    const std::byte* data = pin(page);
+    std::memcpy(out, data + offset, size_t(bytes));
+    unpin(page, /*dirty=*/false);
+  }
+  virtual void write_bytes(int32_t page, int64_t offset, const void* in, int64_t bytes) {
+    std::byte* data = pin(page);
+    std::memcpy(data + offset, in, size_t(bytes));
+    unpin(page, /*dirty=*/true);
+  }
 
   virtual int32_t num_pages() const = 0;
   virtual int64_t page_bytes() const = 0;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -76,7 +77,7 @@ TEST(PagedState, AdamWMatchesScalarReferenceAcrossPages) {
       for (Tensor& r : reference) {
         r.step += 1.0f;
         const codec::AdamWScalars s =
-            codec::make_adamw_scalars(1e-2, 0.9, 0.999, 1e-8, 0.1, long(r.step), false);
+            codec::make_adamw_scalars(1e-2, 0.9, 0.999, 1e-8, 0.1, (long long)(r.step), false);
         for (size_t e = 0; e < r.param.size(); ++e) {
           if (amsgrad) {
             codec::adamw_element<true>(r.param[e], r.grad[e], r.m[e], r.v[e], r.v_max[e], s);
@@ -180,6 +181,43 @@ TEST(PagedState, RejectsMismatchedParams) {
   params[0].group = 0;
   EXPECT_THROW(state->step_adamw(params, amsgrad, kSerial), std::invalid_argument);
   EXPECT_EQ(step, 0.0f);  // a rejected step changes nothing
+}
+
+// A store that refuses to grow while `full` is set, as a device out of memory or a full
+// disk would.
+class RefusingStore final : public paging::PageStore {
+ public:
+  explicit RefusingStore(bool* full) : inner_(8192), full_(full) {}
+  void grow(int32_t num_pages) override {
+    if (*full_) throw std::runtime_error("out of memory");
+    inner_.grow(num_pages);
+  }
+  std::byte* pin(int32_t page) override { return inner_.pin(page); }
+  void unpin(int32_t page, bool dirty) override { inner_.unpin(page, dirty); }
+  int32_t num_pages() const override { return inner_.num_pages(); }
+  int64_t page_bytes() const override { return inner_.page_bytes(); }
+  int64_t resident_bytes() const override { return inner_.resident_bytes(); }
+
+ private:
+  paging::HostPageStore inner_;
+  bool* full_;
+};
+
+TEST(PagedState, FailedGrowthLeavesNoLayoutBehind) {
+  bool full = false;
+  PagedState state(OptimizerKind::kAdamW,
+                   {{{"exp_avg", 128}, {"exp_avg_sq", 128}}},
+                   std::make_unique<RefusingStore>(&full));
+  EXPECT_EQ(state.register_param(1000), 0);
+  const int32_t pages = state.table().num_pages();
+  full = true;
+  EXPECT_THROW(state.register_param(5000), std::runtime_error);
+  EXPECT_EQ(state.table().num_params(), 1);
+  EXPECT_EQ(state.table().num_pages(), pages);
+  full = false;
+  // The retry lays the parameter out afresh, and the store holds exactly the table's pages.
+  EXPECT_EQ(state.register_param(5000), 1);
+  EXPECT_EQ(state.store().num_pages(), state.table().num_pages());
 }
 
 }  // namespace
