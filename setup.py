@@ -2,15 +2,27 @@
 
     pip install --no-build-isolation .       # or -e . for development
 
+With a CUDA build of torch and an nvcc of the same CUDA major version, the CUDA kernels and
+the CUDA backend are compiled into pagedoptim._C and linked against torch's shared CUDA
+runtime. Whether a GPU is present does not matter: the build never asks
+torch.cuda.is_available().
+
 Environment:
-    PAGEDOPTIM_WITH_CUDA=1|0   force the CUDA kernels on or off (default: on when nvcc is
-                               found and the installed torch is a CUDA build)
+    PAGEDOPTIM_WITH_CUDA=1|0   force the CUDA build on or off (default: on when the installed
+                               torch is a CUDA build, torch.version.cuda, and nvcc is found)
+    PAGEDOPTIM_CUDA_ARCHS      CUDA architectures, e.g. "90" or "80;90" (default: those the
+                               installed torch was built for, torch.cuda.get_arch_list());
+                               SASS for each, PTX for the newest
+    CUDACXX                    the nvcc to use (default: nvcc on PATH, then $CUDA_HOME/bin)
     PAGEDOPTIM_BUILD_DIR       CMake build directory, reused between builds (default: build/)
     PAGEDOPTIM_CMAKE_ARGS      extra arguments for the CMake configure step
     MAX_JOBS                   parallel compile jobs (default: number of CPUs)
 """
 
+from __future__ import annotations
+
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -23,7 +35,20 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).resolve().parent
 
 
-def _want_cuda() -> bool:
+def _find_nvcc() -> str | None:
+    explicit = os.environ.get("CUDACXX")
+    if explicit:
+        return explicit
+    on_path = shutil.which("nvcc")
+    if on_path:
+        return on_path
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if home and (Path(home) / "bin" / "nvcc").is_file():
+            return str(Path(home) / "bin" / "nvcc")
+    return None
+
+
+def _want_cuda(nvcc: str | None) -> bool:
     forced = os.environ.get("PAGEDOPTIM_WITH_CUDA")
     if forced is not None:
         return forced.strip().lower() in ("1", "on", "true", "yes")
@@ -31,7 +56,33 @@ def _want_cuda() -> bool:
     # build machines often have no GPU.
     import torch
 
-    return torch.version.cuda is not None and shutil.which("nvcc") is not None
+    return torch.version.cuda is not None and nvcc is not None
+
+
+def _cuda_archs_from_torch(arch_list: list[str]) -> str:
+    """CMake's list of the architectures torch was built for: ['sm_80', 'sm_90a',
+    'compute_90'] -> '80;90'. PTX entries (compute_*) are dropped, since the build adds PTX
+    for the newest architecture itself, and arch-specific variants (sm_90a) become the plain
+    architecture, which is all the kernels use."""
+    archs = {int(m.group(1)) for a in arch_list if (m := re.fullmatch(r"sm_(\d+)[af]?", a))}
+    return ";".join(str(a) for a in sorted(archs))
+
+
+def _cuda_configure_args(nvcc: str) -> list[str]:
+    import torch
+
+    archs = os.environ.get("PAGEDOPTIM_CUDA_ARCHS") or _cuda_archs_from_torch(
+        torch.cuda.get_arch_list())
+    if not archs:
+        raise RuntimeError(
+            "No CUDA architectures to build for: torch.cuda.get_arch_list() is empty (a "
+            "CPU-only torch?). Set PAGEDOPTIM_CUDA_ARCHS (e.g. 90), or PAGEDOPTIM_WITH_CUDA=0.")
+    return [
+        f"-DCMAKE_CUDA_COMPILER={nvcc}",
+        f"-DPAGEDOPTIM_CUDA_ARCHS={archs}",
+        # CMake checks nvcc's major version against it, with a message naming both.
+        f"-DPAGEDOPTIM_TORCH_CUDA_VERSION={torch.version.cuda or ''}",
+    ]
 
 
 class CMakeExtension(Extension):
@@ -54,8 +105,16 @@ class CMakeBuild(build_ext):
             f"-DPython_EXECUTABLE={sys.executable}",
             "-DCMAKE_BUILD_TYPE=Release",
             "-DPAGEDOPTIM_BUILD_PYTHON=ON",
-            f"-DPAGEDOPTIM_WITH_CUDA={'ON' if _want_cuda() else 'OFF'}",
-        ] + shlex.split(os.environ.get("PAGEDOPTIM_CMAKE_ARGS", ""))
+        ]
+        nvcc = _find_nvcc()
+        if _want_cuda(nvcc):
+            if nvcc is None:
+                raise RuntimeError("PAGEDOPTIM_WITH_CUDA=1 but no nvcc was found: put it on "
+                                   "PATH or point CUDACXX at it.")
+            configure += ["-DPAGEDOPTIM_WITH_CUDA=ON"] + _cuda_configure_args(nvcc)
+        else:
+            configure += ["-DPAGEDOPTIM_WITH_CUDA=OFF"]
+        configure += shlex.split(os.environ.get("PAGEDOPTIM_CMAKE_ARGS", ""))
         subprocess.run(configure, check=True)
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
         subprocess.run(["cmake", "--build", str(build_dir), "--target", "_C", "-j", jobs],

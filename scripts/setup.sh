@@ -27,7 +27,7 @@ fi
 
 # Rebuild only when a source changed since the last build (the stamp is in build/).
 stamp=build/.pagedoptim-installed
-if [ ! -f "$stamp" ] || [ -n "$(find CMakeLists.txt setup.py csrc include python -newer "$stamp" \
+if [ ! -f "$stamp" ] || [ -n "$(find CMakeLists.txt setup.py cmake csrc include python -newer "$stamp" \
         \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.txt' -o -name '*.py' \) \
         -print -quit)" ] || ! "$PYTHON" -c "import pagedoptim._C" >/dev/null 2>&1; then
   echo "setup: building pagedoptim"
