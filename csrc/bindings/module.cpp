@@ -3,6 +3,10 @@
 
 #include "kernels/cpu/step_kernels.h"
 
+#ifdef PAGEDOPTIM_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
 namespace pagedoptim::bindings {
 void bind_paged_state(pybind11::module_& m);
 void bind_codecs(pybind11::module_& m);
@@ -14,6 +18,16 @@ PYBIND11_MODULE(_C, m) {
   pagedoptim::bindings::bind_paged_state(m);
   pagedoptim::bindings::bind_codecs(m);
   pagedoptim::bindings::bind_page_store(m);
+#ifdef PAGEDOPTIM_WITH_CUDA
+  m.def("cuda_built", [] { return true; },
+        "Whether this build has the CUDA kernels (params on a GPU can be stepped).");
+  m.def("cuda_version", [] { return CUDART_VERSION; },
+        "The CUDA runtime version the kernels were built against, as 1000 * major + 10 * minor.");
+#else
+  m.def("cuda_built", [] { return false; },
+        "Whether this build has the CUDA kernels (params on a GPU can be stepped).");
+  m.def("cuda_version", [] { return 0; }, "0: this build has no CUDA kernels.");
+#endif
   m.def("cpu_isa", [] { return std::string(pagedoptim::kernels::cpu_kernels().isa); },
         "The ISA of the CPU kernels chosen for this machine.");
 }

@@ -12,9 +12,16 @@
 
 #include "pagedoptim/optim/paged_state.h"
 #include "bindings/page_store_binding.h"
+#include "bindings/tensor_args.h"
+#ifdef PAGEDOPTIM_WITH_CUDA
+#include "bindings/cuda_backend.h"
+#endif
 
 namespace pagedoptim::bindings {
 namespace {
+
+namespace py = pybind11;
+using optim::PagedState;
 
 using optim::OptimizerKind;
 using StreamTuple = std::tuple<std::string, int64_t, bool>;
@@ -26,17 +33,6 @@ OptimizerKind parse_kind(const std::string& kind) {
   if (kind == "skewadam") return OptimizerKind::kSkewAdam;
   TORCH_CHECK_VALUE(false, "optimizer kind must be 'adamw', 'sgd', 'lion' or 'skewadam', got '",
                     kind, "'");
-}
-
-kernels::ElementType element_type(const at::Tensor& t, const char* what, size_t index) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return kernels::ElementType::kFloat32;
-    case at::kBFloat16: return kernels::ElementType::kBFloat16;
-    case at::kHalf: return kernels::ElementType::kFloat16;
-    default:
-      TORCH_CHECK_TYPE(false, what, " ", index, " must be float32, bfloat16 or float16, got ",
-                       t.scalar_type());
-  }
 }
 
 const optim::ParallelFor& torch_parallel_for() {
@@ -55,26 +51,16 @@ std::vector<optim::ParamStep> to_param_steps(const std::vector<at::Tensor>& para
                                              const std::vector<int64_t>& groups,
                                              size_t num_groups) {
   const size_t n = params.size();
-  TORCH_CHECK_VALUE(grads.size() == n && steps.size() == n && slots.size() == n &&
-                        groups.size() == n,
-                    "params, grads, steps, slots and groups must have one entry per parameter, "
-                    "got ", n, ", ", grads.size(), ", ", steps.size(), ", ", slots.size(), ", ",
-                    groups.size());
+  check_step_lists(n, grads.size(), steps.size(), slots.size(), groups.size());
   std::vector<optim::ParamStep> out;
   out.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
     const at::Tensor& g = grads[i];
     const at::Tensor& s = steps[i];
-    TORCH_CHECK_VALUE(p.device().is_cpu(), "param ", i, " must be on cpu, got ", p.device());
-    TORCH_CHECK_VALUE(g.device().is_cpu(), "grad for param ", i, " must be on cpu, got ",
-                      g.device());
-    TORCH_CHECK_VALUE(p.is_contiguous() && g.is_contiguous(), "param ", i,
-                      " and its grad must be contiguous");
-    TORCH_CHECK_TYPE(g.scalar_type() == p.scalar_type(), "grad for param ", i, " must be ",
-                     p.scalar_type(), " like its param, got ", g.scalar_type());
-    TORCH_CHECK_VALUE(g.numel() == p.numel(), "grad for param ", i, " has ", g.numel(),
-                      " elements, the param has ", p.numel());
+    TORCH_CHECK_VALUE(p.device().is_cpu(), "param ", i, " must be on cpu like the optimizer's "
+                      "state, got ", p.device());
+    check_grad_of(p, g, i);
     TORCH_CHECK_VALUE(s.device().is_cpu() && s.scalar_type() == at::kFloat && s.numel() == 1,
                       "step counter ", i, " must be a one-element float32 cpu tensor");
     TORCH_CHECK_VALUE(groups[i] >= 0 && size_t(groups[i]) < num_groups, "group index ",
@@ -87,16 +73,82 @@ std::vector<optim::ParamStep> to_param_steps(const std::vector<at::Tensor>& para
   return out;
 }
 
-// Runs one step with the GIL released, after the tensors were validated with it held.
-template <class Group, class Step>
+using OptionalTensor = std::optional<at::Tensor>;
+
+// The device of the state's pages: -1 for host memory, else the CUDA device index.
+int state_device(optim::PagedState& state) {
+#ifdef PAGEDOPTIM_WITH_CUDA
+  return cuda_device_of(state);
+#else
+  (void)state;
+  return -1;
+#endif
+}
+
+// Runs one step with the GIL released, after the tensors were validated with it held: on
+// the CPU kernels for host state, through the CUDA table kernels for device state. AMP's
+// found_inf/grad_scale are GradScaler's device scalars (CUDA state only; on the CPU,
+// GradScaler unscales and checks the gradients itself before calling step()).
+template <class Group, class Step, class CudaStep>
 void run_step(optim::PagedState& state, const std::vector<at::Tensor>& params,
               const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& steps,
               const std::vector<int64_t>& slots, const std::vector<int64_t>& groups,
-              const std::vector<Group>& group_values, Step step) {
+              const std::vector<Group>& group_values, Step step, CudaStep cuda_step,
+              const OptionalTensor& found_inf, const OptionalTensor& grad_scale) {
+  if (state_device(state) >= 0) {
+#ifdef PAGEDOPTIM_WITH_CUDA
+    const CudaStepArgs args{params, grads, steps, slots, groups, found_inf, grad_scale};
+    pybind11::gil_scoped_release no_gil;
+    cuda_step(state, args, group_values);
+#endif
+    (void)cuda_step;
+    return;
+  }
+  (void)cuda_step;
+  TORCH_CHECK_VALUE(!found_inf.has_value() && !grad_scale.has_value(),
+                    "found_inf and grad_scale are taken by steps of CUDA state only");
   const std::vector<optim::ParamStep> param_steps =
       to_param_steps(params, grads, steps, slots, groups, group_values.size());
   pybind11::gil_scoped_release no_gil;
   (state.*step)(param_steps, group_values, torch_parallel_for());
+}
+
+#ifdef PAGEDOPTIM_WITH_CUDA
+#define PO_CUDA_STEP(name) &name
+#else
+#define PO_CUDA_STEP(name) nullptr
+#endif
+
+// The CPU overloads of PagedState's steps (the table overloads take a runner instead).
+template <class Group>
+using CpuStep = void (PagedState::*)(const std::vector<optim::ParamStep>&,
+                                     const std::vector<Group>&, const optim::ParallelFor&);
+
+// "cpu" or "cuda:N" (what str(torch.device) gives) -> -1 or N.
+int parse_device(const std::string& device) {
+  if (device == "cpu") return -1;
+  const std::string prefix = "cuda:";
+  TORCH_CHECK_VALUE(device.rfind(prefix, 0) == 0 && device.size() > prefix.size() &&
+                        device.find_first_not_of("0123456789", prefix.size()) == std::string::npos,
+                    "device must be 'cpu' or 'cuda:N', got '", device, "'");
+  return std::stoi(device.substr(prefix.size()));
+}
+
+std::unique_ptr<paging::PageStore> make_store(const py::object& store, int64_t page_bytes,
+                                              int device) {
+  if (device < 0) return make_page_store(store, page_bytes);
+#ifdef PAGEDOPTIM_WITH_CUDA
+  if (!store.is_none()) {
+    throw std::runtime_error(
+        "paging (offload='host'|'nvme' or cache_bytes) is not implemented yet for state on a "
+        "CUDA device: use offload=None there, or keep the params on the CPU");
+  }
+  return make_cuda_page_store(page_bytes, device);
+#else
+  TORCH_CHECK(false, "this build of pagedoptim has no CUDA kernels, so it cannot keep state on "
+              "cuda:", device, ": rebuild it against a CUDA build of torch with a matching nvcc "
+              "(pip install --no-build-isolation -e . with PAGEDOPTIM_WITH_CUDA=1)");
+#endif
 }
 
 using AdamWGroupTuple = std::tuple<double, double, double, double, double, bool, bool>;
@@ -145,6 +197,15 @@ void step_skewadam(optim::PagedState& state, const std::vector<at::Tensor>& para
                    const std::vector<SkewAdamGroupTuple>& hyper,
                    const std::vector<SkewAdamLayoutTuple>& layouts) {
   const std::vector<optim::SkewAdamGroup> group_values = to_groups(hyper);
+  if (state_device(state) >= 0) {
+#ifdef PAGEDOPTIM_WITH_CUDA
+    const std::optional<at::Tensor> none;
+    const CudaStepArgs args{params, grads, steps, slots, groups, none, none};
+    pybind11::gil_scoped_release no_gil;
+    cuda_step_skewadam(state, args, group_values, layouts);
+#endif
+    return;
+  }
   const std::vector<optim::ParamStep> param_steps =
       to_param_steps(params, grads, steps, slots, groups, group_values.size());
   TORCH_CHECK_VALUE(layouts.size() == param_steps.size(), "layouts must have one entry per "
@@ -168,7 +229,7 @@ void bind_paged_state(pybind11::module_& m) {
   py::class_<PagedState>(m, "PagedState",
                          "Paged optimizer state of one optimizer: page table, store, driver.")
       .def(py::init([](const std::string& kind, const std::vector<std::vector<StreamTuple>>& kinds,
-                       int64_t page_bytes, const py::object& store) {
+                       int64_t page_bytes, const py::object& store, const std::string& device) {
              TORCH_CHECK_VALUE(page_bytes > 0 && page_bytes % 4096 == 0,
                                "page_bytes must be a positive multiple of 4096, got ",
                                page_bytes);
@@ -179,12 +240,21 @@ void bind_paged_state(pybind11::module_& m) {
                  specs.back().push_back(paging::StreamSpec{name, bytes_per_group, per_group});
                }
              }
-             return std::make_unique<PagedState>(parse_kind(kind), std::move(specs),
-                                                 make_page_store(store, page_bytes));
+             return std::make_unique<PagedState>(
+                 parse_kind(kind), std::move(specs),
+                 make_store(store, page_bytes, parse_device(device)));
            }),
            py::arg("kind"), py::arg("kinds"), py::arg("page_bytes"), py::arg("store") = py::none(),
+           py::arg("device") = "cpu",
            "kinds: per parameter kind, its streams as (name, bytes per group of 32, per_group); "
-           "store: None (all pages in host memory) or the paging options dict")
+           "store: None (all pages in memory) or the paging options dict; device: where the "
+           "pages live and the step runs, 'cpu' or 'cuda:N'")
+      .def_property_readonly("device",
+                             [](PagedState& s) {
+                               const int device = state_device(s);
+                               return device < 0 ? std::string("cpu")
+                                                 : "cuda:" + std::to_string(device);
+                             })
       .def("paging_stats", [](PagedState& s) { return paging_stats(s.store()); },
            "Pager counters: hits, misses, bytes per tier, stall seconds, io backend.")
       .def("register_param", &PagedState::register_param, py::arg("numel"), py::arg("kind") = 0)
@@ -192,26 +262,41 @@ void bind_paged_state(pybind11::module_& m) {
            [](PagedState& s, const std::vector<at::Tensor>& params,
               const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& steps,
               const std::vector<int64_t>& slots, const std::vector<int64_t>& groups,
-              const std::vector<AdamWGroupTuple>& hyper) {
+              const std::vector<AdamWGroupTuple>& hyper, const OptionalTensor& found_inf,
+              const OptionalTensor& grad_scale) {
              run_step(s, params, grads, steps, slots, groups, to_groups(hyper),
-                      &PagedState::step_adamw);
-           })
+                      static_cast<CpuStep<optim::AdamWGroup>>(&PagedState::step_adamw),
+                      PO_CUDA_STEP(cuda_step_adamw), found_inf, grad_scale);
+           },
+           py::arg("params"), py::arg("grads"), py::arg("steps"), py::arg("slots"),
+           py::arg("groups"), py::arg("hyperparameters"), py::arg("found_inf") = py::none(),
+           py::arg("grad_scale") = py::none())
       .def("step_sgd",
            [](PagedState& s, const std::vector<at::Tensor>& params,
               const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& steps,
               const std::vector<int64_t>& slots, const std::vector<int64_t>& groups,
-              const std::vector<SGDGroupTuple>& hyper) {
+              const std::vector<SGDGroupTuple>& hyper, const OptionalTensor& found_inf,
+              const OptionalTensor& grad_scale) {
              run_step(s, params, grads, steps, slots, groups, to_groups(hyper),
-                      &PagedState::step_sgd);
-           })
+                      static_cast<CpuStep<optim::SGDGroup>>(&PagedState::step_sgd),
+                      PO_CUDA_STEP(cuda_step_sgd), found_inf, grad_scale);
+           },
+           py::arg("params"), py::arg("grads"), py::arg("steps"), py::arg("slots"),
+           py::arg("groups"), py::arg("hyperparameters"), py::arg("found_inf") = py::none(),
+           py::arg("grad_scale") = py::none())
       .def("step_lion",
            [](PagedState& s, const std::vector<at::Tensor>& params,
               const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& steps,
               const std::vector<int64_t>& slots, const std::vector<int64_t>& groups,
-              const std::vector<LionGroupTuple>& hyper) {
+              const std::vector<LionGroupTuple>& hyper, const OptionalTensor& found_inf,
+              const OptionalTensor& grad_scale) {
              run_step(s, params, grads, steps, slots, groups, to_groups(hyper),
-                      &PagedState::step_lion);
-           })
+                      static_cast<CpuStep<optim::LionGroup>>(&PagedState::step_lion),
+                      PO_CUDA_STEP(cuda_step_lion), found_inf, grad_scale);
+           },
+           py::arg("params"), py::arg("grads"), py::arg("steps"), py::arg("slots"),
+           py::arg("groups"), py::arg("hyperparameters"), py::arg("found_inf") = py::none(),
+           py::arg("grad_scale") = py::none())
       .def("step_skewadam", &step_skewadam, py::arg("params"), py::arg("grads"),
            py::arg("steps"), py::arg("slots"), py::arg("groups"), py::arg("hyperparameters"),
            py::arg("layouts"),

@@ -78,5 +78,5 @@ class AdamW(PagedOptimizer):
     def _all_moments(self) -> list[Moment]:
         return [self._FIRST, self._SECOND, self._SECOND_MAX]
 
-    def _native_step(self, *args: Any) -> None:
-        self._engine.step_adamw(*args)
+    def _native_step(self, *args: Any, **amp: Any) -> None:
+        self._engine.step_adamw(*args, **amp)

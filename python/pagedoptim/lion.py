@@ -63,5 +63,5 @@ class Lion(PagedOptimizer):
     def _all_moments(self) -> list[Moment]:
         return [self._FIRST]
 
-    def _native_step(self, *args: Any) -> None:
-        self._engine.step_lion(*args)
+    def _native_step(self, *args: Any, **amp: Any) -> None:
+        self._engine.step_lion(*args, **amp)

@@ -111,20 +111,40 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
-        # With release_grads GradScaler must not try to unscale gradients that are already
-        # gone; claiming support makes it call step(grad_scaler=...), which says so.
-        return self._options.release_grads
+        # CUDA state: GradScaler hands over its scale and found_inf as device tensors
+        # (optimizer.grad_scale / optimizer.found_inf) and the kernels unscale and skip on
+        # the device, as torch's fused optimizers do: no host sync. With release_grads
+        # GradScaler must not try to unscale gradients that are already gone; claiming
+        # support makes it hand them over too, and step() says so.
+        return self._options.release_grads or self._on_cuda()
+
+    def _on_cuda(self) -> bool:
+        return self._device is not None and self._device.type == "cuda"
+
+    def _amp_arguments(self) -> dict[str, torch.Tensor]:
+        """GradScaler's found_inf / grad_scale for this step (set on the optimizer by
+        GradScaler.step), moved to the params' device without waiting."""
+        amp: dict[str, torch.Tensor] = {}
+        for name in ("found_inf", "grad_scale"):
+            value = getattr(self, name, None)
+            if value is None:
+                continue
+            if not isinstance(value, torch.Tensor):
+                value = torch.tensor(float(value))
+            amp[name] = value.to(device=self._device, dtype=torch.float32,
+                                 non_blocking=True).reshape(1)
+        return amp
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None, *,
-             grad_scaler: Any = None) -> Any:
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         if self._options.release_grads:
-            return self._finish_released_round(closure, grad_scaler)
+            return self._finish_released_round(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         batch = _StepBatch()
+        batch.amp = self._amp_arguments() if self._step_supports_amp_scaling else {}
         for group_id, group in enumerate(self.param_groups):
             batch.hyperparameters.append(self._group_hyperparameters(group))
             for p in group["params"]:
@@ -138,10 +158,15 @@ class PagedOptimizer(torch.optim.Optimizer):
         if grad.is_sparse:
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients "
                                f"(param of shape {tuple(p.shape)} has one)")
-        if p.device.type != "cpu":
+        if p.device.type == "cuda":
+            self._check_cuda_param(p)
+        elif p.device.type != "cpu":
             raise NotImplementedError(
-                f"params on {p.device} cannot be stepped by this build of pagedoptim: its "
-                "step kernels run on the CPU only")
+                f"{self._describe(p)} is on {p.device}; pagedoptim steps params on the CPU "
+                "and on CUDA devices")
+        if grad.device != p.device:
+            raise ValueError(f"the grad of {self._describe(p)} is on {grad.device}, its param "
+                             f"on {p.device}: they must be on one device")
         work = p if p.is_contiguous() else p.contiguous()
         if work is not p:
             batch.write_back.append((p, work))
@@ -151,19 +176,42 @@ class PagedOptimizer(torch.optim.Optimizer):
         batch.slots.append(self._slot(p))
         batch.group_ids.append(group_id)
 
+    def _check_cuda_param(self, p: torch.Tensor) -> None:
+        if not native.cuda_built():
+            raise RuntimeError(
+                f"{self._describe(p)} is on {p.device}, but this build of pagedoptim has no "
+                "CUDA kernels: rebuild it against a CUDA build of torch with a matching nvcc "
+                "(`PAGEDOPTIM_WITH_CUDA=1 pip install --no-build-isolation -e .`)")
+
+    def _describe(self, p: torch.Tensor) -> str:
+        """'param N (shape (...), dtype)' with N its index in the optimizer's params."""
+        for index, q in enumerate(self._indexed_params()):
+            if q is p:
+                return f"param {index} (shape {tuple(p.shape)}, {p.dtype})"
+        return f"a param of shape {tuple(p.shape)} ({p.dtype})"
+
     def _run(self, batch: "_StepBatch") -> None:
         if not batch.params:
             return
         self._native_step(batch.params, batch.grads, batch.steps, batch.slots,
-                          batch.group_ids, batch.hyperparameters)
+                          batch.group_ids, batch.hyperparameters, **batch.amp)
         for p, work in batch.write_back:
             p.copy_(work)
 
     def _step_counter(self, p: torch.Tensor) -> torch.Tensor:
+        """state[p]['step']: a 0-dim float32 tensor on the CPU for CPU params, and on the
+        param's device for CUDA params (where the kernels advance it, as torch's fused
+        optimizers keep it)."""
         state = self.state[p]
         if "step" not in state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            # zeros, not tensor(0.0): a CUDA tensor built from a Python number is a blocking
+            # copy from the host, and the step must not wait for the device.
+            state["step"] = torch.zeros((), dtype=torch.float32, device=self._step_device(p))
         return state["step"]
+
+    @staticmethod
+    def _step_device(p: torch.Tensor) -> torch.device:
+        return p.device if p.device.type == "cuda" else torch.device("cpu")
 
     # -- gradient release ------------------------------------------------------------------
 
@@ -192,11 +240,11 @@ class PagedOptimizer(torch.optim.Optimizer):
                 return group
         raise RuntimeError("a released gradient belongs to no parameter group of this optimizer")
 
-    def _finish_released_round(self, closure: Any, grad_scaler: Any) -> None:
+    def _finish_released_round(self, closure: Any) -> None:
         if closure is not None:
             raise RuntimeError("step(closure) cannot be used with release_grads=True: the "
                                "parameters were already stepped inside backward")
-        if grad_scaler is not None:
+        if getattr(self, "found_inf", None) is not None:
             raise RuntimeError("GradScaler cannot be used with release_grads=True: it "
                                "unscales and checks gradients before the step, but with "
                                "gradient release they are applied and freed inside backward")
@@ -224,8 +272,17 @@ class PagedOptimizer(torch.optim.Optimizer):
             self._kinds = self._stream_kinds()
             native_kinds = [[spec.as_native() for spec in kind] for kind in self._kinds]
             store = paging.store_options(self._options, self._device)
+            device = "cpu"
+            if self._on_cuda():
+                if store is not None:
+                    raise NotImplementedError(
+                        f"offload={store['offload']!r} with params on {self._device}: paging "
+                        "state between the GPU and host memory or NVMe is not implemented "
+                        "yet; use offload=None (state stays on the GPU, compressed) or keep "
+                        "the params on the CPU")
+                device = f"cuda:{self._device.index or 0}"
             self._engine = native.PagedState(self._kind, native_kinds, self._options.page_bytes,
-                                             store=store)
+                                             store=store, device=device)
             if store is not None:
                 paging.warn_about_fallbacks(self._engine)
         return self._engine
@@ -354,10 +411,11 @@ class PagedOptimizer(torch.optim.Optimizer):
             step = value.get("step")
             if step is None:
                 value["step"] = torch.tensor(self._default_step(index_of[p] in streams),
-                                             dtype=torch.float32)
+                                             dtype=torch.float32, device=self._step_device(p))
             elif not (isinstance(step, torch.Tensor) and step.dtype == torch.float32
-                      and step.device.type == "cpu" and step.dim() == 0):
-                value["step"] = torch.tensor(float(step), dtype=torch.float32)
+                      and step.device == self._step_device(p) and step.dim() == 0):
+                value["step"] = torch.tensor(float(step), dtype=torch.float32,
+                                             device=self._step_device(p))
             self.state[p] = value
         self._scatter_streams(streams)
 
@@ -462,7 +520,7 @@ class _StepBatch:
     """The arguments of one native step call, collected parameter by parameter."""
 
     __slots__ = ("params", "grads", "steps", "slots", "group_ids", "hyperparameters",
-                 "write_back")
+                 "write_back", "amp")
 
     def __init__(self) -> None:
         self.params: list[torch.Tensor] = []
@@ -472,3 +530,4 @@ class _StepBatch:
         self.group_ids: list[int] = []
         self.hyperparameters: list[tuple] = []
         self.write_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.amp: dict[str, torch.Tensor] = {}

@@ -72,8 +72,8 @@ class SGD(PagedOptimizer):
     def _all_moments(self) -> list[Moment]:
         return [self._MOMENTUM]
 
-    def _native_step(self, *args: Any) -> None:
-        self._ensure_engine().step_sgd(*args)
+    def _native_step(self, *args: Any, **amp: Any) -> None:
+        self._ensure_engine().step_sgd(*args, **amp)
 
     def _default_step(self, has_streams: bool) -> float:
         # torch.optim.SGD keeps no step; a parameter that has a momentum buffer has been

@@ -237,7 +237,14 @@ class SkewAdam(PagedOptimizer):
         self._batch_layouts.append((self._factor_slots[p], layout.experts, layout.rows,
                                     layout.cols, layout.momentum))
 
-    def _native_step(self, *args: Any) -> None:
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        # The statistics see the whole gradient before the step, so GradScaler unscales and
+        # checks it first (on CUDA that costs GradScaler one sync), except with
+        # release_grads, where step() says why GradScaler cannot work.
+        return self._options.release_grads
+
+    def _native_step(self, *args: Any, **amp: Any) -> None:
         layouts, self._batch_layouts = self._batch_layouts, []
         self._engine.step_skewadam(*args, layouts)
 
