@@ -90,6 +90,12 @@ class Candidate:
     make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
+def scalar_bodies(optimizer: Any) -> Any:
+    """`optimizer` with its CUDA steps forced onto the one-element-per-lane kernel bodies."""
+    optimizer._ensure_engine().set_vector_loads(False)
+    return optimizer
+
+
 def large_candidates(include_exact: bool) -> list[Candidate]:
     candidates = [
         Candidate("torch_fused_fp32", torch.float32, bytes_per_param(4, "fp32"),
@@ -100,6 +106,11 @@ def large_candidates(include_exact: bool) -> list[Candidate]:
                   bytes_per_param(2, "8bit", residual_bytes=1),
                   lambda ps: pagedoptim.AdamW(ps, **HYPERPARAMETERS)),
     ]
+    # The same state through the one-element-per-lane bodies: what the vector bodies gain.
+    candidates.append(Candidate(
+        "pagedoptim_8bit_bf16_scalar", torch.bfloat16,
+        bytes_per_param(2, "8bit", residual_bytes=1),
+        lambda ps: scalar_bodies(pagedoptim.AdamW(ps, **HYPERPARAMETERS))))
     if include_exact:
         candidates.append(Candidate(
             "pagedoptim_fp32", torch.float32, bytes_per_param(4, "fp32"),

@@ -351,7 +351,11 @@ void bind_paged_state(pybind11::module_& m) {
              return names;
            },
            py::arg("slot"), "Names of the state streams of the parameter in `slot`.")
-      .def_property_readonly("stateless", &PagedState::stateless);
+      .def_property_readonly("stateless", &PagedState::stateless)
+      .def("set_vector_loads", &PagedState::set_vector_loads, py::arg("on"),
+           "Whether CUDA steps may use the vector bodies (four elements per lane) for aligned "
+           "rows; off runs every row one element per lane, to measure the difference. The "
+           "results are the same bits either way.");
 }
 
 }  // namespace pagedoptim::bindings

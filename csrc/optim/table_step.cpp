@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <utility>
 
+#include "kernels/table/param_io.h"
 #include "optim/param_chunks.h"
 #include "pagedoptim/optim/paged_state.h"
 
@@ -73,6 +74,20 @@ StepVariant variant_of(StepAlgorithm algorithm, const ParamStep& param, const Ki
   return variant;
 }
 
+// Whether the vector bodies may run `row`: 8-bit state, and every pointer aligned for four
+// elements per access (a param that is a view at an odd offset is not; its rows take the
+// one-element-per-lane bodies).
+bool vector_ready(const StepVariant& variant, const StepRow& row) {
+  using kernels::table::vector_aligned;
+  if (variant.state != StateFormat::kCompanded8) return false;
+  const int64_t element_bytes = variant.type == kernels::ElementType::kFloat32 ? 4 : 2;
+  bool aligned = vector_aligned(row.param, element_bytes) &&
+                 vector_aligned(row.grad, element_bytes) &&
+                 (row.residual == nullptr || vector_aligned(row.residual, variant.residual_bits / 8));
+  for (const void* moment : row.moments) aligned = aligned && vector_aligned(moment, 1);
+  return aligned;
+}
+
 // The row of the parameter's elements in `segment`, without state streams.
 StepRow param_row(const ParamStep& param, size_t index, const paging::Segment& segment) {
   const kernels::ParamSpan span = chunk_span(param.span, segment, 0, segment.count);
@@ -127,6 +142,7 @@ void PagedState::run_tables(const std::vector<ParamStep>& params, TableRunner& r
       StepRow row;
       make_row(piece.param, table_.segment(piece.piece), page_bytes[size_t(piece.piece.page)],
                variant, row);
+      variant.vector = vector_loads_ && vector_ready(variant, row);
       builder.add(variant, row);
     }
     // Unpinned as written whether or not the runner succeeds: a table that ran before a

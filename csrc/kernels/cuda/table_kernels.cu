@@ -49,6 +49,15 @@ struct DeviceLane {
 #endif
     return value;
   }
+  __host__ __device__ uint32_t group_max(uint32_t value, int width) const {
+#ifdef __CUDA_ARCH__
+    for (int offset = width / 2; offset > 0; offset /= 2) {
+      const uint32_t other = __shfl_xor_sync(kFullWarp, value, offset);
+      value = other > value ? other : value;
+    }
+#endif
+    return value;
+  }
   __host__ __device__ void gather(float value, float* all) const {
 #ifdef __CUDA_ARCH__
 #pragma unroll
@@ -99,19 +108,44 @@ cudaError_t launch_prepare(void (*kernel)(const ScalarJob*, int32_t, const Group
                           dim3(kPrepareThreadsPerBlock), args, 0, stream);
 }
 
+// Blocks of `kernel` resident on one multiprocessor at once (its registers decide), asked
+// once per kernel: a grid of exactly one wave leaves no under-filled second wave behind.
+int blocks_per_multiprocessor(const void* kernel) {
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kTableThreadsPerBlock, 0) !=
+          cudaSuccess ||
+      blocks < 1) {
+    (void)cudaGetLastError();  // our own failed query; one block per SM still runs
+    blocks = 1;
+  }
+  return blocks;
+}
+
+// A grid for `units` warps of work, one wave at most.
+unsigned table_blocks(int64_t warps, int per_multiprocessor, int multiprocessors) {
+  constexpr int64_t kWarpsPerBlock = kTableThreadsPerBlock / kGroupSize;
+  int64_t blocks = (warps + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  const int64_t wave = int64_t(per_multiprocessor) * (multiprocessors > 0 ? multiprocessors : 1);
+  if (blocks > wave) blocks = wave;
+  return unsigned(blocks < 1 ? 1 : blocks);
+}
+
 }  // namespace
 
-cudaError_t launch_step_table(const StepTable& table, int max_blocks, cudaStream_t stream) {
+cudaError_t launch_step_table(const StepTable& table, int multiprocessors, cudaStream_t stream) {
   if (table.num_rows <= 0 || table.num_units <= 0) return cudaSuccess;
-  constexpr int64_t kWarpsPerBlock = kTableThreadsPerBlock / kGroupSize;
-  int64_t blocks = (table.num_units + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  if (max_blocks > 0 && blocks > max_blocks) blocks = max_blocks;
   StepTable argument = table;
   void* args[] = {&argument};
   cudaError_t error = cudaErrorInvalidValue;
   table::visit_step_body(table.variant, [&]<class Body>() {
-    error = cudaLaunchKernel(reinterpret_cast<const void*>(&step_table_kernel<Body>),
-                             dim3(unsigned(blocks)), dim3(kTableThreadsPerBlock), args, 0, stream);
+    const void* kernel = reinterpret_cast<const void*>(&step_table_kernel<Body>);
+    static const int per_multiprocessor = blocks_per_multiprocessor(kernel);
+    // The vector bodies give a warp four groups per iteration.
+    const int64_t warps = table.variant.vector
+                              ? (table.num_units + table::kGroupsPerWarp - 1) / table::kGroupsPerWarp
+                              : table.num_units;
+    error = cudaLaunchKernel(kernel, dim3(table_blocks(warps, per_multiprocessor, multiprocessors)),
+                             dim3(kTableThreadsPerBlock), args, 0, stream);
   });
   return error;
 }
@@ -151,7 +185,7 @@ cudaError_t launch_prepare_skewadam_scalars(const ScalarJob* jobs, int32_t num_j
 
 cudaError_t launch_factor_statistics(const FactorMatrix* matrices, int32_t num_matrices,
                                      int64_t total_rows, int64_t total_cols,
-                                     const codec::SkewAdamScalars* scalars, int max_blocks,
+                                     const codec::SkewAdamScalars* scalars, int multiprocessors,
                                      cudaStream_t stream) {
   if (num_matrices <= 0) return cudaSuccess;
   table::FactorTable factors;
@@ -160,21 +194,20 @@ cudaError_t launch_factor_statistics(const FactorMatrix* matrices, int32_t num_m
   factors.total_rows = total_rows;
   factors.total_cols = total_cols;
   factors.scalars = scalars;
-  // Enough warps for the widest of the four passes: two rows per warp, one column, row or
-  // matrix per thread; the bodies stride over whatever the grid does not cover.
-  constexpr int64_t kWarpsPerBlock = kTableThreadsPerBlock / kGroupSize;
+  // Enough warps for the widest of the four passes (two rows per warp; one column, row or
+  // matrix per thread), one wave at most; the bodies stride over whatever is left.
   const int64_t lines = total_rows > total_cols ? total_rows : total_cols;
-  int64_t blocks = (lines + kTableThreadsPerBlock - 1) / kTableThreadsPerBlock;
-  const int64_t row_blocks = ((total_rows + 1) / 2 + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  if (row_blocks > blocks) blocks = row_blocks;
-  if (max_blocks > 0 && blocks > max_blocks) blocks = max_blocks;
-  if (blocks < 1) blocks = 1;
+  const int64_t thread_warps = (lines + kGroupSize - 1) / kGroupSize;
+  const int64_t row_warps = (total_rows + 1) / 2;
+  const int64_t warps = thread_warps > row_warps ? thread_warps : row_warps;
   void* args[] = {&factors};
   cudaError_t error = cudaSuccess;
   table::visit_statistics_bodies([&]<class Body>() {
     if (error != cudaSuccess) return;
-    error = cudaLaunchKernel(reinterpret_cast<const void*>(&factor_statistics_kernel<Body>),
-                             dim3(unsigned(blocks)), dim3(kTableThreadsPerBlock), args, 0, stream);
+    const void* kernel = reinterpret_cast<const void*>(&factor_statistics_kernel<Body>);
+    static const int per_multiprocessor = blocks_per_multiprocessor(kernel);
+    error = cudaLaunchKernel(kernel, dim3(table_blocks(warps, per_multiprocessor, multiprocessors)),
+                             dim3(kTableThreadsPerBlock), args, 0, stream);
   });
   return error;
 }

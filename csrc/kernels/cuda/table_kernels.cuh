@@ -22,10 +22,10 @@ namespace pagedoptim::kernels::cuda {
 // Threads per block of the table kernels (a multiple of the warp).
 constexpr int kTableThreadsPerBlock = 256;
 
-// Runs every row of `table` (all pointers device pointers). `max_blocks` caps the grid (a
-// few blocks per multiprocessor keep every SM busy; warps then stride over the units).
-// cudaErrorInvalidValue for a variant without a kernel.
-cudaError_t launch_step_table(const StepTable& table, int max_blocks, cudaStream_t stream);
+// Runs every row of `table` (all pointers device pointers) with as many blocks as are
+// resident at once on the device's `multiprocessors` (one wave; warps then stride over the
+// units). cudaErrorInvalidValue for a variant without a kernel.
+cudaError_t launch_step_table(const StepTable& table, int multiprocessors, cudaStream_t stream);
 
 // scalars[i] for jobs[i], advancing each job's step counter, unless *found_inf (when given)
 // is nonzero: then nothing is written at all and the table kernels skip too.
@@ -49,7 +49,7 @@ cudaError_t launch_prepare_skewadam_scalars(const ScalarJob* jobs, int32_t num_j
 // that fails and returns its error.
 cudaError_t launch_factor_statistics(const FactorMatrix* matrices, int32_t num_matrices,
                                      int64_t total_rows, int64_t total_cols,
-                                     const codec::SkewAdamScalars* scalars, int max_blocks,
+                                     const codec::SkewAdamScalars* scalars, int multiprocessors,
                                      cudaStream_t stream);
 
 }  // namespace pagedoptim::kernels::cuda

@@ -132,8 +132,14 @@ struct FactorRowsBody {
       // lane order, as the CPU adds its lanes.
       float partials[kGroupSize];
       lane.gather(partial, partials);
-      float row_sum = 0.0f;
-      for (int k = 0; k < kRowLanes; ++k) row_sum += partials[half * kRowLanes + k];
+      // Both halves' sums with constant indices (registers, not a local array), then the
+      // lane's own.
+      float sums[2] = {0.0f, 0.0f};
+      for (int k = 0; k < kRowLanes; ++k) {
+        sums[0] += partials[k];
+        sums[1] += partials[kRowLanes + k];
+      }
+      const float row_sum = half == 0 ? sums[0] : sums[1];
       if (active && l == 0) {
         const codec::SkewAdamScalars& s = t.scalars[m->scalars];
         float& mean = m->row_means[global_row - m->first_row];

@@ -7,6 +7,8 @@
 //   int64_t first_warp() const        this warp's index in the grid
 //   int64_t warp_stride() const       warps in the grid
 //   uint32_t warp_max(uint32_t) const the maximum over the warp's 32 lanes; every lane calls it
+//   uint32_t group_max(uint32_t, int width) const  the maximum over each aligned run of
+//                                     `width` lanes (a power of two); every lane calls it
 //   void gather(float, float* all) const  every lane's value, all[lane]; every lane calls it
 // The CUDA wrappers (csrc/kernels/cuda/table_kernels.cu) pass one built on threadIdx and
 // __shfl_xor_sync; the CPU tests pass a host emulation that runs each lane as a thread, so

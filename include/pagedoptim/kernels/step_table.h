@@ -39,15 +39,18 @@ struct StepVariant {
   // always fp32; kNone: no momentum.
   StateFormat state = StateFormat::kFloat32;
   bool amsgrad = false;       // AdamW only: a third moment, max_exp_avg_sq
+  // 8-bit state only: every row's pointers are aligned for four elements per access, so
+  // the vector body runs it (four elements per lane, eight lanes per group).
+  bool vector = false;
 
   PO_HOST_DEVICE bool operator==(const StepVariant& o) const {
     return algorithm == o.algorithm && type == o.type && residual_bits == o.residual_bits &&
-           state == o.state && amsgrad == o.amsgrad;
+           state == o.state && amsgrad == o.amsgrad && vector == o.vector;
   }
   // A dense key, for ordering and grouping rows on the host.
   int key() const {
-    return ((((int(algorithm) * 4 + int(type)) * 32 + residual_bits) * 4 + int(state)) * 2) +
-           int(amsgrad);
+    return (((((int(algorithm) * 4 + int(type)) * 32 + residual_bits) * 4 + int(state)) * 2 +
+             int(amsgrad)) * 2) + int(vector);
   }
 };
 

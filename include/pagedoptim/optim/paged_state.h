@@ -107,7 +107,7 @@ class PagedState {
                      const std::vector<SkewAdamGroup>& groups, const ParallelFor& parallel_for);
 
   // SkewAdam through the table kernels: the statistics kernels on contiguous copies of the
-  // factor streams, then the elementwise tables. Defined in skewadam_table_step.cpp.
+  // factor streams, then the elementwise tables. Defined in table_step.cpp.
   void step_skewadam(const std::vector<SkewAdamParamStep>& params,
                      const std::vector<SkewAdamGroup>& groups, TableRunner& runner);
 
@@ -116,6 +116,10 @@ class PagedState {
   void read_stream(int32_t slot, const std::string& stream, void* out);
   void write_stream(int32_t slot, const std::string& stream, const void* in);
   int64_t stream_bytes(int32_t slot, const std::string& stream) const;
+
+  // Whether the table steps may use the vector bodies for rows aligned for them (default
+  // on; off runs every row one element per lane, for comparisons).
+  void set_vector_loads(bool on) { vector_loads_ = on; }
 
   OptimizerKind kind() const { return kind_; }
   const paging::PageTable& table() const { return table_; }
@@ -184,6 +188,7 @@ class PagedState {
   std::vector<KindStreams> kind_streams_;
   std::unique_ptr<paging::PageStore> store_;
   int64_t steps_taken_ = 0;  // the parity picks the plan's scan direction
+  bool vector_loads_ = true;
 };
 
 }  // namespace pagedoptim::optim

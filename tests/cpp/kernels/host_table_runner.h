@@ -36,6 +36,17 @@ class WarpExchange {
     return largest;
   }
 
+  // The maximum over the aligned run of `width` lanes that holds `lane`.
+  uint32_t group_max(int lane, uint32_t value, int width) {
+    slots_[lane] = value;
+    barrier_.arrive_and_wait();
+    uint32_t largest = 0;
+    const int first = lane / width * width;
+    for (int l = first; l < first + width; ++l) largest = slots_[l] > largest ? slots_[l] : largest;
+    barrier_.arrive_and_wait();
+    return largest;
+  }
+
   // Every lane's value, as 32 __shfl_sync would give them.
   void gather(int lane, uint32_t value, uint32_t* all) {
     slots_[lane] = value;
@@ -59,6 +70,9 @@ struct HostLane {
   int64_t first_warp() const { return warp; }
   int64_t warp_stride() const { return warps; }
   uint32_t warp_max(uint32_t value) const { return exchange->max(lane_index, value); }
+  uint32_t group_max(uint32_t value, int width) const {
+    return exchange->group_max(lane_index, value, width);
+  }
   void gather(float value, float* all) const {
     uint32_t bits[kGroupSize];
     exchange->gather(lane_index, codec::float_to_bits(value), bits);

@@ -11,6 +11,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "emulation_util.h"
@@ -66,6 +67,10 @@ struct Config {
   double momentum = 0.9;
   bool nesterov = false;
   int32_t pin_limit = 0;  // 0: every page at once
+  bool vector = true;      // let the table driver pick the vector bodies for aligned rows
+  // Every fourth param's elements start this many bytes past an aligned address (a view at
+  // an offset), which the vector bodies cannot take.
+  int misalign = 0;
 
   std::string name() const {
     const char* kinds[] = {"adamw", "sgd", "lion", "skewadam"};
@@ -73,7 +78,8 @@ struct Config {
     return std::string(kinds[int(kind)]) + "/state" + std::to_string(state_bits) + "/" +
            types[int(type)] + "/residual" + std::to_string(residual_bits) +
            (amsgrad ? "/amsgrad" : "") + "/momentum" + std::to_string(momentum) +
-           (nesterov ? "/nesterov" : "") + "/pins" + std::to_string(pin_limit);
+           (nesterov ? "/nesterov" : "") + "/pins" + std::to_string(pin_limit) +
+           (vector ? "/vector" : "/scalar") + "/misalign" + std::to_string(misalign);
   }
 };
 
@@ -172,9 +178,55 @@ void register_all(PagedState& state, std::vector<Param>& params, const Config& c
 }
 
 // Runs one step of the config through `state`, on the CPU kernels or through `runner`.
+// Copies of the params and grads of `params` whose first element sits `misalign` bytes past
+// an aligned address, for every fourth param; copied back by the destructor.
+class MisalignedCopies {
+ public:
+  MisalignedCopies(std::vector<Param>& params, int misalign) : params_(params) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (misalign == 0 || i % 4 != 0) continue;
+      Param& p = params[i];
+      buffers_.push_back({i, std::vector<uint8_t>(p.values.size() + size_t(misalign)),
+                          std::vector<uint8_t>(p.grad.size() + size_t(misalign)), misalign});
+      Buffer& b = buffers_.back();
+      std::memcpy(b.values.data() + misalign, p.values.data(), p.values.size());
+      std::memcpy(b.grad.data() + misalign, p.grad.data(), p.grad.size());
+    }
+  }
+  ~MisalignedCopies() {
+    for (Buffer& b : buffers_) {
+      Param& p = params_[b.param];
+      std::memcpy(p.values.data(), b.values.data() + b.misalign, p.values.size());
+    }
+  }
+  // Where param i's elements and gradient are for this step.
+  std::pair<void*, const void*> of(size_t i) {
+    for (Buffer& b : buffers_) {
+      if (b.param == i) return {b.values.data() + b.misalign, b.grad.data() + b.misalign};
+    }
+    return {params_[i].values.data(), params_[i].grad.data()};
+  }
+
+ private:
+  struct Buffer {
+    size_t param;
+    std::vector<uint8_t> values, grad;
+    int misalign;
+  };
+  std::vector<Param>& params_;
+  std::vector<Buffer> buffers_;
+};
+
 void step(const Config& c, PagedState& state, std::vector<Param>& params,
           TableRunner* runner) {
-  const std::vector<ParamStep> steps = param_steps(params);
+  MisalignedCopies copies(params, runner != nullptr ? c.misalign : 0);
+  std::vector<ParamStep> steps = param_steps(params);
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const auto [values, grad] = copies.of(i);
+    steps[i].span.param = values;
+    steps[i].span.grad = grad;
+  }
+  state.set_vector_loads(c.vector);
   if (c.kind == OptimizerKind::kAdamW) {
     const std::vector<AdamWGroup> groups = {{1e-2, 0.9, 0.999, 1e-8, 0.1, c.amsgrad, false},
                                             {3e-3, 0.8, 0.99, 1e-6, 0.0, c.amsgrad, true}};
@@ -273,7 +325,26 @@ std::vector<Config> all_variants() {
 }
 
 TEST(TableEmulation, EveryVariantMatchesTheCpuKernelsByteForByte) {
-  for (const Config& c : all_variants()) check_config(c);
+  for (Config c : all_variants()) {
+    check_config(c);
+    if (c.state_bits == 8 && !(c.kind == OptimizerKind::kSGD && c.momentum == 0.0)) {
+      c.vector = false;  // the one-element-per-lane bodies, which misaligned rows take
+      check_config(c);
+    }
+  }
+}
+
+TEST(TableEmulation, MisalignedParamsTakeTheScalarBodiesInTheSameCall) {
+  for (OptimizerKind kind : {OptimizerKind::kAdamW, OptimizerKind::kSGD, OptimizerKind::kLion}) {
+    for (ElementType type : {ElementType::kFloat32, ElementType::kBFloat16}) {
+      Config c;
+      c.kind = kind;
+      c.type = type;
+      c.residual_bits = type == ElementType::kFloat32 ? 0 : 16;
+      c.misalign = 2;
+      check_config(c);
+    }
+  }
 }
 
 TEST(TableEmulation, SeveralBatchesOfPinnedPagesMatchOneBatch) {
@@ -300,6 +371,13 @@ TEST(TableEmulation, OneLaunchPerVariantAndBatch) {
   // bf16 params with a residual and fp32 params: two variants, every page pinned at once.
   EXPECT_EQ(runner.batches(), 1);
   EXPECT_EQ(runner.launches(), 2);
+
+  // Misaligned bf16 params take the scalar body: a third launch in the same call.
+  c.misalign = 2;
+  new_gradients(params, 5);
+  HostTableRunner mixed;
+  step(c, *state, params, &mixed);
+  EXPECT_EQ(mixed.launches(), 3);
   EXPECT_GE(runner.rows(), int64_t(std::size(kSizes)));
 }
 
