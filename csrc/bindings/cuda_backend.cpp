@@ -20,6 +20,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <utility>
 
@@ -42,16 +43,23 @@ bool debug_sync() {
 }
 
 void check_cuda(cudaError_t error, const char* what) {
-  TORCH_CHECK(error == cudaSuccess, "pagedoptim: ", what, " failed: ", cudaGetErrorName(error),
-              ": ", cudaGetErrorString(error));
+  if (error == cudaSuccess) return;
+  // Our own call failed: take its error off the runtime's last-error slot, or the next
+  // launch check of torch would report it against an unrelated op.
+  (void)cudaGetLastError();
+  TORCH_CHECK(false, "pagedoptim: ", what, " failed: ", cudaGetErrorName(error), ": ",
+              cudaGetErrorString(error));
 }
 
 // The error of this launch (the launchers return cudaLaunchKernel's own result). In debug
 // mode also waits for the kernel, so a fault inside it is reported here, by name, instead
 // of at some later unrelated call.
 void check_launch(cudaError_t error, const std::string& what, cudaStream_t stream) {
-  TORCH_CHECK(error == cudaSuccess, "pagedoptim: launching ", what, " failed: ",
-              cudaGetErrorName(error), ": ", cudaGetErrorString(error));
+  if (error != cudaSuccess) {
+    (void)cudaGetLastError();  // as in check_cuda: the error is ours and reported here
+    TORCH_CHECK(false, "pagedoptim: launching ", what, " failed: ", cudaGetErrorName(error),
+                ": ", cudaGetErrorString(error));
+  }
   if (debug_sync()) {
     const cudaError_t done = cudaStreamSynchronize(stream);
     TORCH_CHECK(done == cudaSuccess, "pagedoptim: ", what, " failed on the device: ",
@@ -66,7 +74,7 @@ std::string describe(const kernels::StepVariant& v) {
   return std::string("the ") + algorithms[int(v.algorithm)] + " table kernel (" +
          types[int(v.type)] + " params, " + states[int(v.state)] +
          ", residual " + std::to_string(int(v.residual_bits)) + (v.amsgrad ? ", amsgrad" : "") +
-         ")";
+         (v.vector ? ", vector" : "") + ")";
 }
 
 class CudaPageStore final : public paging::PageStore {
@@ -74,9 +82,13 @@ class CudaPageStore final : public paging::PageStore {
   CudaPageStore(int64_t page_bytes, int device) : page_bytes_(page_bytes), device_(device) {}
 
   ~CudaPageStore() override {
-    if (done_ != nullptr) {
+    if (done_ == nullptr) return;
+    // A destructor must not throw: at interpreter exit the CUDA runtime may already be
+    // going away, and the guard's device switch would then fail.
+    try {
       c10::cuda::CUDAGuard guard(device_);
       cudaEventDestroy(done_);
+    } catch (...) {
     }
   }
 
@@ -201,8 +213,7 @@ class CudaTableRunner final : public optim::TableRunner {
   CudaTableRunner(int device, cudaStream_t stream, const float* found_inf,
                   const float* grad_scale)
       : device_(device), stream_(stream), found_inf_(found_inf), grad_scale_(grad_scale) {
-    // Enough resident blocks to fill every multiprocessor; warps stride over the rest.
-    max_blocks_ = at::cuda::getDeviceProperties(device)->multiProcessorCount * 8;
+    multiprocessors_ = at::cuda::getDeviceProperties(device)->multiProcessorCount;
   }
 
   void prepare_adamw(const std::vector<ScalarJob>& jobs,
@@ -222,6 +233,13 @@ class CudaTableRunner final : public optim::TableRunner {
                         const std::vector<optim::SkewAdamGroup>& groups) override {
     prepare(jobs, groups, &kernels::cuda::launch_prepare_skewadam_scalars, "skewadam");
   }
+  // Launches the scalar preparation if it has not run yet.
+  void flush_prepare() {
+    if (!pending_prepare_) return;
+    auto launch = std::move(pending_prepare_);
+    pending_prepare_ = nullptr;
+    launch();
+  }
 
   void* scratch(int64_t bytes) override {
     at::Tensor buffer = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device_));
@@ -238,12 +256,13 @@ class CudaTableRunner final : public optim::TableRunner {
     Uploader uploader(device_, keep_);
     const size_t at = uploader.add(matrices.data(), matrices.size() * sizeof(kernels::FactorMatrix));
     std::byte* base = uploader.upload();
+    flush_prepare();
     const kernels::FactorMatrix& last = matrices.back();
     check_launch(kernels::cuda::launch_factor_statistics(
                      reinterpret_cast<const kernels::FactorMatrix*>(base + at),
                      int32_t(matrices.size()), last.first_row + last.rows,
                      last.first_col + last.cols,
-                     static_cast<const codec::SkewAdamScalars*>(scalars_), max_blocks_, stream_),
+                     static_cast<const codec::SkewAdamScalars*>(scalars_), multiprocessors_, stream_),
                  "SkewAdam's statistics kernels", stream_);
   }
 
@@ -254,6 +273,7 @@ class CudaTableRunner final : public optim::TableRunner {
       offsets.push_back(uploader.add(rows.data(), rows.size() * sizeof(StepRow)));
     }
     std::byte* base = uploader.upload();
+    flush_prepare();
     for (size_t t = 0; t < batch.variants.size(); ++t) {
       const std::vector<StepRow>& rows = batch.rows[t];
       StepTable table;
@@ -264,7 +284,7 @@ class CudaTableRunner final : public optim::TableRunner {
       table.scalars = scalars_;
       table.found_inf = found_inf_;
       table.grad_scale = grad_scale_;
-      check_launch(kernels::cuda::launch_step_table(table, max_blocks_, stream_),
+      check_launch(kernels::cuda::launch_step_table(table, multiprocessors_, stream_),
                    describe(table.variant), stream_);
     }
   }
@@ -284,18 +304,26 @@ class CudaTableRunner final : public optim::TableRunner {
     keep_.push_back(buffer);
     void* scalars = buffer.data_ptr();
     scalars_ = scalars;
-    check_launch(launch(reinterpret_cast<const ScalarJob*>(base + jobs_at), int32_t(jobs.size()),
-                        reinterpret_cast<const Group*>(base + groups_at), found_inf_,
-                        static_cast<Scalars*>(scalars), stream_),
-                 std::string("the ") + name + " scalar preparation", stream_);
+    // The launch advances the step counters, so it waits until the first batch has its own
+    // memory: an out-of-memory there then leaves the step untouched and retryable.
+    const auto* job_table = reinterpret_cast<const ScalarJob*>(base + jobs_at);
+    const auto* group_table = reinterpret_cast<const Group*>(base + groups_at);
+    const int32_t num_jobs = int32_t(jobs.size());
+    pending_prepare_ = [=, this] {
+      check_launch(launch(job_table, num_jobs, group_table, found_inf_,
+                          static_cast<Scalars*>(scalars), stream_),
+                   std::string("the ") + name + " scalar preparation", stream_);
+    };
   }
+
 
   int device_;
   cudaStream_t stream_;
   const float* found_inf_;
   const float* grad_scale_;
-  int max_blocks_ = 0;
+  int multiprocessors_ = 0;
   const void* scalars_ = nullptr;
+  std::function<void()> pending_prepare_;
   std::vector<at::Tensor> keep_;  // device buffers of this step
 };
 
@@ -353,6 +381,7 @@ void on_state_stream(CudaPageStore& store, const float* found_inf, const float* 
   CudaTableRunner runner(store.device(), stream, found_inf, grad_scale);
   try {
     enqueue(runner);
+    runner.flush_prepare();  // a step whose params hold no elements ran no batch
   } catch (...) {
     store.end_use(stream);
     throw;

@@ -119,7 +119,17 @@ class PagedOptimizer(torch.optim.Optimizer):
         return self._options.release_grads or self._on_cuda()
 
     def _on_cuda(self) -> bool:
-        return self._device is not None and self._device.type == "cuda"
+        device = self._engine_device()
+        return device is not None and device.type == "cuda"
+
+    def _engine_device(self) -> Optional[torch.device]:
+        """Where the state lives: fixed once the engine exists; before that, where the params
+        are now (`opt = po.AdamW(model.parameters()); model.cuda()` is a torch idiom, so the
+        device of the params at construction does not bind)."""
+        if self._engine is not None:
+            return self._device
+        params = self._indexed_params()
+        return params[0].device if params else None
 
     def _amp_arguments(self) -> dict[str, torch.Tensor]:
         """GradScaler's found_inf / grad_scale for this step (set on the optimizer by
@@ -131,7 +141,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                 continue
             if not isinstance(value, torch.Tensor):
                 value = torch.tensor(float(value))
-            amp[name] = value.to(device=self._device, dtype=torch.float32,
+            amp[name] = value.to(device=self._engine_device(), dtype=torch.float32,
                                  non_blocking=True).reshape(1)
         return amp
 
@@ -269,6 +279,11 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def _ensure_engine(self) -> Any:
         if self._engine is None:
+            self._device = self._engine_device()
+            for index, p in enumerate(self._indexed_params()):
+                if p.device != self._device:
+                    raise ValueError(f"params must all be on one device: param {index} is on "
+                                     f"{p.device}, param 0 on {self._device}")
             self._kinds = self._stream_kinds()
             native_kinds = [[spec.as_native() for spec in kind] for kind in self._kinds]
             store = paging.store_options(self._options, self._device)
@@ -510,7 +525,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         errors, the io backend and why it fell back, the O_DIRECT status. offload is None
         when the state is not paged; everything counts zero before the first step."""
         if self._engine is None:
-            return {"offload": paging.resolve_offload(self._options, self._device),
+            return {"offload": paging.resolve_offload(self._options, self._engine_device()),
                     "hits": 0, "misses": 0, "hit_rate": 0.0, "bytes_read": {},
                     "bytes_written": {}, "stall_seconds": 0.0}
         return self._engine.paging_stats()

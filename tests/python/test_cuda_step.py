@@ -914,6 +914,49 @@ def test_params_on_two_devices_are_refused():
         po.AdamW([nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(4, device=DEVICE))])
 
 
+@pytest.mark.parametrize("name", ["adamw-amsgrad-maximize", "sgd-nesterov", "lion"])
+def test_vector_and_scalar_bodies_give_the_same_bits(name):
+    """The vector bodies (four elements per lane, aligned rows) and the one-element-per-lane
+    bodies compute the same thing; only the memory access differs."""
+    factory, defaults, overrides = OPTIMIZERS[name]
+    kwargs = dict(defaults, state_bits=8, master_bits=24, page_bytes=16 << 10)
+    values = initial_values(MATRIX_SHAPES, torch.bfloat16)
+    runs = []
+    for vector in (True, False):
+        params = [nn.Parameter(v.to(DEVICE, copy=True)) for v in values]
+        opt = factory(split_groups(params, MATRIX_SPLIT, dict(overrides)), **kwargs)
+        opt._ensure_engine().set_vector_loads(vector)
+        grads = GradSource(MATRIX_SHAPES)
+        for t in range(3):
+            for p, g in zip(params, grads(t)):
+                p.grad = g.to(device=DEVICE, dtype=p.dtype)
+            opt.step()
+        runs.append((params, opt))
+    assert_optimizers_identical(f"{name} vector vs scalar", *runs[1], *runs[0])
+
+
+def test_model_moved_to_cuda_after_the_optimizer_was_built():
+    """`opt = po.AdamW(model.parameters()); model.cuda()` works as with torch: the state is
+    created where the params are at the first step."""
+    model = nn.Linear(16, 8)
+    opt = po.AdamW(model.parameters(), lr=1e-2)
+    ref_model = nn.Linear(16, 8)
+    ref_model.load_state_dict(model.state_dict())
+    ref = po.AdamW(ref_model.parameters(), lr=1e-2)
+    model.to(DEVICE)
+    assert opt._step_supports_amp_scaling
+    x = torch.randn(4, 16)
+    model(x.to(DEVICE)).square().sum().backward()
+    ref_model(x).square().sum().backward()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        p.grad.copy_(q.grad.to(DEVICE))  # the same grads, whatever the matmul kernels gave
+    opt.step()
+    ref.step()
+    assert opt._engine.device == f"cuda:{DEVICE.index or 0}"
+    assert_optimizers_identical("moved model", list(ref_model.parameters()), ref,
+                                list(model.parameters()), opt)
+
+
 @pytest.mark.parametrize("paging", [dict(offload="host"), dict(offload="nvme"),
                                     dict(cache_bytes=1 << 20)],
                          ids=["host", "nvme", "cache_bytes"])
