@@ -68,8 +68,8 @@ struct Config {
   bool nesterov = false;
   int32_t pin_limit = 0;  // 0: every page at once
   bool vector = true;      // let the table driver pick the vector bodies for aligned rows
-  // Every fourth param's elements start this many bytes past an aligned address (a view at
-  // an offset), which the vector bodies cannot take.
+  // Every fourth param's elements start this many elements past an aligned address (a view
+  // at a storage offset), which the vector bodies cannot take.
   int misalign = 0;
 
   std::string name() const {
@@ -178,14 +178,16 @@ void register_all(PagedState& state, std::vector<Param>& params, const Config& c
 }
 
 // Runs one step of the config through `state`, on the CPU kernels or through `runner`.
-// Copies of the params and grads of `params` whose first element sits `misalign` bytes past
-// an aligned address, for every fourth param; copied back by the destructor.
+// Copies of the params and grads of `params` whose first element sits `misalign` elements
+// past an aligned address (still aligned for its own type, as a tensor view is), for every
+// fourth param; copied back by the destructor.
 class MisalignedCopies {
  public:
-  MisalignedCopies(std::vector<Param>& params, int misalign) : params_(params) {
+  MisalignedCopies(std::vector<Param>& params, int misalign_elements) : params_(params) {
     for (size_t i = 0; i < params.size(); ++i) {
-      if (misalign == 0 || i % 4 != 0) continue;
+      if (misalign_elements == 0 || i % 4 != 0) continue;
       Param& p = params[i];
+      const int misalign = misalign_elements * (p.type == ElementType::kFloat32 ? 4 : 2);
       buffers_.push_back({i, std::vector<uint8_t>(p.values.size() + size_t(misalign)),
                           std::vector<uint8_t>(p.grad.size() + size_t(misalign)), misalign});
       Buffer& b = buffers_.back();
@@ -341,7 +343,7 @@ TEST(TableEmulation, MisalignedParamsTakeTheScalarBodiesInTheSameCall) {
       c.kind = kind;
       c.type = type;
       c.residual_bits = type == ElementType::kFloat32 ? 0 : 16;
-      c.misalign = 2;
+      c.misalign = 1;
       check_config(c);
     }
   }
@@ -373,7 +375,7 @@ TEST(TableEmulation, OneLaunchPerVariantAndBatch) {
   EXPECT_EQ(runner.launches(), 2);
 
   // Misaligned bf16 params take the scalar body: a third launch in the same call.
-  c.misalign = 2;
+  c.misalign = 1;
   new_gradients(params, 5);
   HostTableRunner mixed;
   step(c, *state, params, &mixed);
