@@ -5,15 +5,29 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "pagedoptim/common.h"
 
 namespace pagedoptim::paging {
 
-void PageCache::FreeDeleter::operator()(std::byte* p) const { std::free(p); }
+void PageCache::FreeDeleter::operator()(std::byte* p) const {
+  if (allocator != nullptr && allocator->release) {
+    allocator->release(p);
+  } else {
+    std::free(p);
+  }
+}
 
-PageCache::PageCache(int64_t page_bytes, int32_t budget_slots, EvictionPolicy policy)
-    : page_bytes_(page_bytes), budget_slots_(budget_slots), policy_(policy) {
+PageCache::PageCache(int64_t page_bytes, int32_t budget_slots, EvictionPolicy policy,
+                     SlotAllocator allocator)
+    : page_bytes_(page_bytes),
+      budget_slots_(budget_slots),
+      policy_(policy),
+      allocator_(std::move(allocator)) {
+  if (bool(allocator_.allocate) != bool(allocator_.release)) {
+    throw std::invalid_argument("a slot allocator needs both allocate and release");
+  }
   if (page_bytes <= 0 || page_bytes % kPageAlignment != 0) {
     throw std::invalid_argument("page_bytes must be a positive multiple of 4096, got " +
                                 std::to_string(page_bytes));
@@ -27,6 +41,11 @@ PageCache::PageCache(int64_t page_bytes, int32_t budget_slots, EvictionPolicy po
 PageCache::~PageCache() = default;
 
 std::unique_ptr<std::byte, PageCache::FreeDeleter> PageCache::allocate() const {
+  if (allocator_.allocate) {
+    void* memory = allocator_.allocate(page_bytes_);
+    return std::unique_ptr<std::byte, FreeDeleter>(static_cast<std::byte*>(memory),
+                                                   FreeDeleter{&allocator_});
+  }
   void* memory = std::aligned_alloc(size_t(kPageAlignment), size_t(page_bytes_));
   if (memory == nullptr) throw std::bad_alloc();
   return std::unique_ptr<std::byte, FreeDeleter>(static_cast<std::byte*>(memory));
@@ -109,7 +128,8 @@ int32_t PageCache::find_victim(int64_t needed_at, bool dirty_allowed, bool overf
     const int32_t page = owner_[slot];
     if (page < 0) continue;
     const PageMeta& m = pages_[size_t(page)];
-    if (m.state != PageState::kResident || m.pin_count > 0 || (m.dirty && !dirty_allowed)) {
+    if (m.state != PageState::kResident || m.pin_count > 0 || m.waiters > 0 ||
+        (m.dirty && !dirty_allowed)) {
       continue;
     }
     const VictimInfo info{page, m.last_use, plan_.next_use(page)};

@@ -38,7 +38,8 @@ TieredPageStore::TieredPageStore(const TieredStoreOptions& options,
       max_writes_in_flight_(std::max(1, options.prefetch)),
       tier_(std::move(tier)),
       cache_(options.page_bytes, budget_pages(options),
-             options.policy == EvictionPolicy::kAuto ? EvictionPolicy::kPlan : options.policy) {
+             options.policy == EvictionPolicy::kAuto ? EvictionPolicy::kPlan : options.policy,
+             options.slots) {
   if (tier_ == nullptr) throw std::invalid_argument("a tiered page store needs a backing tier");
   if (tier_->page_bytes() != options.page_bytes) {
     throw std::invalid_argument("the backing tier's page size differs from the store's");
@@ -218,8 +219,13 @@ TieredPageStore::LoadResult TieredPageStore::load_into_slot_locked(int32_t page,
   m.state = PageState::kLoading;
   m.read_attempts = 1;
   ++loads_in_flight_;
-  actions_.push_back(Action{m.on_tier ? ActionKind::kRead : ActionKind::kZero, page,
-                            cache_.slot_data(slot)});
+  // Skip the read only when every pin waiting for the page overwrites it.
+  const auto overwrites = std::count(overwrite_.begin(), overwrite_.end(), page);
+  const bool claim =
+      demand && overwrites > 0 && overwrites == std::count(demand_.begin(), demand_.end(), page);
+  const ActionKind kind =
+      claim ? ActionKind::kClaim : (m.on_tier ? ActionKind::kRead : ActionKind::kZero);
+  actions_.push_back(Action{kind, page, cache_.slot_data(slot)});
   return LoadResult::kDone;
 }
 
@@ -230,7 +236,11 @@ void TieredPageStore::start_write_locked(int32_t page) {
   actions_.push_back(Action{ActionKind::kWrite, page, cache_.slot_data(m.slot)});
 }
 
-std::byte* TieredPageStore::pin(int32_t page) {
+std::byte* TieredPageStore::pin(int32_t page) { return pin_page(page, false); }
+
+std::byte* TieredPageStore::pin_overwrite(int32_t page) { return pin_page(page, true); }
+
+std::byte* TieredPageStore::pin_page(int32_t page, bool overwrite) {
   std::unique_lock<std::mutex> lock(mutex_);
   if (page < 0 || page >= cache_.num_pages()) {
     throw std::out_of_range("page " + std::to_string(page) + " does not exist (the store has " +
@@ -242,7 +252,9 @@ std::byte* TieredPageStore::pin(int32_t page) {
   Clock::time_point wait_start{};
   const auto stop_waiting = [&] {
     if (!waiting) return;
+    --cache_.meta(page).waiters;
     demand_.erase(std::find(demand_.begin(), demand_.end(), page));
+    if (overwrite) overwrite_.erase(std::find(overwrite_.begin(), overwrite_.end(), page));
     counters_.stall_seconds += std::chrono::duration<double>(Clock::now() - wait_start).count();
   };
   // Errors latched before this pin began (a prefetch of an earlier step, a pin that gave
@@ -287,7 +299,11 @@ std::byte* TieredPageStore::pin(int32_t page) {
     if (!waiting) {
       waiting = true;
       wait_start = Clock::now();
+      // Once loaded, the page must stay until this pin wakes up: the pager may run
+      // first, and a clean page in a slot past the budget is what it evicts first.
+      ++cache_.meta(page).waiters;
       demand_.push_back(page);
+      if (overwrite) overwrite_.push_back(page);
     }
     schedule_locked();
     state_cv_.wait(lock);
@@ -421,6 +437,7 @@ void TieredPageStore::submitter_loop() {
   std::vector<TierRequest> requests;
   std::vector<std::pair<int32_t, uint32_t>> checksums;
   std::vector<int32_t> zeroed;
+  std::vector<int32_t> claimed;
   for (;;) {
     {
       std::unique_lock<std::mutex> lock(mutex_);
@@ -434,11 +451,15 @@ void TieredPageStore::submitter_loop() {
     requests.clear();
     checksums.clear();
     zeroed.clear();
+    claimed.clear();
     for (const Action& a : batch) {
       switch (a.kind) {
         case ActionKind::kZero:
           std::memset(a.slot, 0, size_t(page_bytes));
           zeroed.push_back(a.page);
+          break;
+        case ActionKind::kClaim:
+          claimed.push_back(a.page);
           break;
         case ActionKind::kWrite:
           checksums.emplace_back(a.page, io::crc32c(a.slot, size_t(page_bytes)));
@@ -462,12 +483,18 @@ void TieredPageStore::submitter_loop() {
         --loads_in_flight_;
         ++counters_.zero_fills;
       }
+      for (int32_t page : claimed) {
+        PageMeta& m = cache_.meta(page);
+        m.state = PageState::kResident;
+        m.loaded = true;
+        --loads_in_flight_;
+      }
       failed = tier_failed_;
       if (failed == 0) {
         for (const TierRequest& r : requests) cache_.meta(r.page).in_tier = true;
         tier_in_flight_ += int64_t(requests.size());
       }
-      if (!zeroed.empty()) {
+      if (!zeroed.empty() || !claimed.empty()) {
         schedule_locked();
         state_cv_.notify_all();
       }

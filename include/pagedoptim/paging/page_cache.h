@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -26,6 +27,7 @@ struct PageMeta {
   PageState state = PageState::kAbsent;
   int32_t slot = -1;
   int32_t pin_count = 0;
+  int32_t waiters = 0;        // pins waiting for it to become resident: never a victim
   bool dirty = false;         // the slot differs from the tier copy
   bool on_tier = false;       // the tier holds a copy (written at least once)
   bool loaded = false;        // brought in since its last pin: its next pin counts a miss
@@ -37,10 +39,19 @@ struct PageMeta {
   uint64_t use_count = 0;     // pins
 };
 
+// Where slot memory comes from: 4 KiB aligned host memory when empty, pinned host memory
+// when the cache is the bounce buffer between a device and a page file. `allocate` throws
+// on failure (std::bad_alloc or device::MemoryRefused).
+struct SlotAllocator {
+  std::function<void*(int64_t bytes)> allocate;
+  std::function<void(void* memory)> release;
+};
+
 class PageCache {
  public:
   // `budget_slots` >= 1 slots of `page_bytes` each (4 KiB aligned, allocated on first use).
-  PageCache(int64_t page_bytes, int32_t budget_slots, EvictionPolicy policy);
+  PageCache(int64_t page_bytes, int32_t budget_slots, EvictionPolicy policy,
+            SlotAllocator allocator = {});
   ~PageCache();
   PageCache(const PageCache&) = delete;
   PageCache& operator=(const PageCache&) = delete;
@@ -81,6 +92,7 @@ class PageCache {
 
  private:
   struct FreeDeleter {
+    const SlotAllocator* allocator = nullptr;
     void operator()(std::byte* p) const;
   };
   std::unique_ptr<std::byte, FreeDeleter> allocate() const;
@@ -88,6 +100,7 @@ class PageCache {
   const int64_t page_bytes_;
   const int32_t budget_slots_;
   const EvictionPolicy policy_;
+  const SlotAllocator allocator_;
   std::vector<PageMeta> pages_;
   PlanTracker plan_;
   // slots_[s] is the memory of slot s (null until first used); owner_[s] the page in it.

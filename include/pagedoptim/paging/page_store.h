@@ -26,6 +26,10 @@ class PageStore {
   virtual void plan(const std::vector<int32_t>& pages) { (void)pages; }
   // Makes `page` resident and returns its bytes; they stay valid until the matching unpin.
   virtual std::byte* pin(int32_t page) = 0;
+  // pin() for a caller that overwrites the whole page before it reads any of it (a device
+  // cache writing its copy back): the store may skip bringing the old bytes in, so they
+  // are unspecified. Unpin it as dirty.
+  virtual std::byte* pin_overwrite(int32_t page) { return pin(page); }
   virtual void unpin(int32_t page, bool dirty) = 0;
   // How many pages may be pinned at once (the driver pins its plan in batches of this
   // size). A store with a budget returns what fits in it, at least 1.

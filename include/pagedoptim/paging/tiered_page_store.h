@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "pagedoptim/paging/backing_tier.h"
+#include "pagedoptim/paging/cache_stats.h"
 #include "pagedoptim/paging/eviction_policy.h"
 #include "pagedoptim/paging/page_cache.h"
 #include "pagedoptim/paging/page_store.h"
@@ -52,33 +53,22 @@ struct TieredStoreOptions {
   EvictionPolicy policy = EvictionPolicy::kAuto;
   // Reads of one page before its pin gives up (EIO, short read, checksum mismatch).
   int32_t read_attempts = 3;
+  // Cache slot memory (pinned host memory under a device cache); empty: aligned host memory.
+  SlotAllocator slots;
 };
 
-struct PagingStats {
-  int64_t hits = 0;           // pins of pages the cache held (not brought in for them)
-  int64_t misses = 0;         // pins of pages that had to be read or zero-filled
-  int64_t prefetch_hits = 0;  // misses whose page the prefetcher had ready: no wait
+struct PagingStats : CacheStats {
   int64_t zero_fills = 0;     // first uses of pages never written
   int64_t reads = 0;          // successful page reads from the tier
   int64_t writes = 0;         // successful page write-backs to the tier
   int64_t bytes_read = 0;
   int64_t bytes_written = 0;
-  int64_t evictions = 0;
   int64_t read_retries = 0;
   int64_t read_errors = 0;      // pins that failed for a read error
   int64_t checksum_errors = 0;  // pins that failed for a checksum mismatch
   int64_t write_errors = 0;
   double stall_seconds = 0.0;  // time pin() waited for I/O
-  int32_t num_pages = 0;
-  int32_t budget_pages = 0;
-  int32_t resident_pages = 0;
-  int32_t peak_resident_pages = 0;
-  int32_t over_budget_pages = 0;
-  int32_t pin_limit = 0;
-  int32_t prefetch = 0;
-  std::string policy;
   TierInfo tier;
-  std::string pending_error;  // a write-back error not yet thrown; empty when none
 };
 
 class TieredPageStore final : public PageStore {
@@ -93,6 +83,8 @@ class TieredPageStore final : public PageStore {
   void grow(int32_t num_pages) override;
   void plan(const std::vector<int32_t>& pages) override;
   std::byte* pin(int32_t page) override;
+  // Takes a slot for the page without reading it from the tier.
+  std::byte* pin_overwrite(int32_t page) override;
   // Throws the step's write-back error, if any, when it unpins the plan's last page.
   void unpin(int32_t page, bool dirty) override;
   // The budget less the slots the prefetch window needs (at most half the budget).
@@ -107,7 +99,8 @@ class TieredPageStore final : public PageStore {
   void drain();
 
  private:
-  enum class ActionKind : uint8_t { kRead, kWrite, kZero };
+  // kClaim: a slot for a page its pinner overwrites; nothing to read or fill.
+  enum class ActionKind : uint8_t { kRead, kWrite, kZero, kClaim };
   struct Action {
     ActionKind kind;
     int32_t page;
@@ -119,6 +112,7 @@ class TieredPageStore final : public PageStore {
     uint64_t generation;  // error_clock_ when it was latched
   };
 
+  std::byte* pin_page(int32_t page, bool overwrite);
   void schedule_locked();
   LoadResult load_locked(int32_t page, int64_t needed_at, int64_t& write_credit);
   LoadResult load_into_slot_locked(int32_t page, int64_t needed_at, bool demand,
@@ -151,6 +145,7 @@ class TieredPageStore final : public PageStore {
   PageCache cache_;
   std::vector<Action> actions_;         // decided, not yet handed to the submitter
   std::vector<int32_t> demand_;         // pages a pin() waits for (a multiset)
+  std::vector<int32_t> overwrite_;      // of those, pages their pinner overwrites
   std::unordered_map<int32_t, LatchedError> read_errors_;  // failed reads, until pinned
   uint64_t error_clock_ = 0;
   std::exception_ptr pending_error_;    // first failed write-back since the last throw
