@@ -14,10 +14,13 @@
 #include <utility>
 #include <vector>
 
+#include "device/simulated_device.h"
 #include "emulation_util.h"
 #include "host_table_runner.h"
 #include "pagedoptim/codec/float_convert.h"
 #include "pagedoptim/optim/paged_state.h"
+#include "pagedoptim/paging/device_cache_store.h"
+#include "pagedoptim/paging/pinned_host_store.h"
 
 namespace pagedoptim::optim {
 namespace {
@@ -71,6 +74,10 @@ struct Config {
   // Every fourth param's elements start this many elements past an aligned address (a view
   // at a storage offset), which the vector bodies cannot take.
   int misalign = 0;
+  // > 0: the table side pages its state through a device cache of this many pages on the
+  // simulated device (pinned host memory below it), its kernels enqueued on a stream.
+  int32_t device_budget = 0;
+  paging::EvictionPolicy policy = paging::EvictionPolicy::kAuto;
 
   std::string name() const {
     const char* kinds[] = {"adamw", "sgd", "lion", "skewadam"};
@@ -79,7 +86,10 @@ struct Config {
            types[int(type)] + "/residual" + std::to_string(residual_bits) +
            (amsgrad ? "/amsgrad" : "") + "/momentum" + std::to_string(momentum) +
            (nesterov ? "/nesterov" : "") + "/pins" + std::to_string(pin_limit) +
-           (vector ? "/vector" : "/scalar") + "/misalign" + std::to_string(misalign);
+           (vector ? "/vector" : "/scalar") + "/misalign" + std::to_string(misalign) +
+           (device_budget > 0 ? "/device" + std::to_string(device_budget) + "/" +
+                                    paging::eviction_policy_name(policy)
+                              : "");
   }
 };
 
@@ -101,9 +111,66 @@ std::vector<std::vector<paging::StreamSpec>> stream_kinds(const Config& c) {
   return {moments, with_residual};
 }
 
-std::unique_ptr<PagedState> make_state(const Config& c, int64_t page_bytes) {
+// The simulated device a paged table state lives on, and the stream its kernels run on.
+struct DeviceRig {
+  device::SimulatedDevice device;
+  device::Stream compute = device.create_stream();
+  ~DeviceRig() { device.destroy_stream(compute); }
+};
+
+// The host emulation of the kernels, enqueued on the simulated compute stream as launches:
+// each call's inputs are copied, since the driver's tables die before the stream runs them.
+class SimulatedTableRunner final : public TableRunner {
+ public:
+  explicit SimulatedTableRunner(DeviceRig& rig) : rig_(rig) {}
+  // The enqueued work refers to the inner runner: wait for it.
+  ~SimulatedTableRunner() override { rig_.device.synchronize_stream(rig_.compute); }
+
+  void prepare_adamw(const std::vector<kernels::ScalarJob>& jobs,
+                     const std::vector<AdamWGroup>& groups) override {
+    launch([this, jobs, groups] { inner_.prepare_adamw(jobs, groups); });
+  }
+  void prepare_sgd(const std::vector<kernels::ScalarJob>& jobs,
+                   const std::vector<SGDGroup>& groups) override {
+    launch([this, jobs, groups] { inner_.prepare_sgd(jobs, groups); });
+  }
+  void prepare_lion(const std::vector<kernels::ScalarJob>& jobs,
+                    const std::vector<LionGroup>& groups) override {
+    launch([this, jobs, groups] { inner_.prepare_lion(jobs, groups); });
+  }
+  void prepare_skewadam(const std::vector<kernels::ScalarJob>& jobs,
+                        const std::vector<SkewAdamGroup>& groups) override {
+    launch([this, jobs, groups] { inner_.prepare_skewadam(jobs, groups); });
+  }
+  void* scratch(int64_t bytes) override { return inner_.scratch(bytes); }
+  void copy(void* dst, const void* src, int64_t bytes) override {
+    launch([dst, src, bytes] { std::memcpy(dst, src, size_t(bytes)); });
+  }
+  void run_statistics(const std::vector<kernels::FactorMatrix>& matrices) override {
+    launch([this, matrices] { inner_.run_statistics(matrices); });
+  }
+  void run(const TableBatch& batch) override {
+    launch([this, batch] { inner_.run(batch); });
+  }
+
+ private:
+  void launch(std::function<void()> work) { rig_.device.launch(rig_.compute, std::move(work)); }
+  DeviceRig& rig_;
+  HostTableRunner inner_;
+};
+
+std::unique_ptr<PagedState> make_state(const Config& c, int64_t page_bytes,
+                                       DeviceRig* rig = nullptr) {
   std::unique_ptr<paging::PageStore> store;
-  if (c.pin_limit > 0) {
+  if (rig != nullptr) {
+    paging::DeviceCacheOptions options;
+    options.page_bytes = page_bytes;
+    options.cache_bytes = c.device_budget * page_bytes;
+    options.prefetch = 2;
+    options.policy = c.policy;
+    store = std::make_unique<paging::DeviceCacheStore>(
+        rig->device, std::make_unique<paging::PinnedHostStore>(rig->device, page_bytes), options);
+  } else if (c.pin_limit > 0) {
     store = std::make_unique<LimitedPinStore>(page_bytes, c.pin_limit);
   } else {
     store = std::make_unique<paging::HostPageStore>(page_bytes);
@@ -271,8 +338,10 @@ void expect_same_state(const Config& c, PagedState& cpu, PagedState& table,
 void check_config(const Config& c, int steps = 2) {
   SCOPED_TRACE(c.name());
   const int64_t page_bytes = 8192;
+  std::unique_ptr<DeviceRig> rig = c.device_budget > 0 ? std::make_unique<DeviceRig>() : nullptr;
   auto cpu = make_state(c, page_bytes);
-  auto table = make_state(c, page_bytes);
+  auto table = make_state(c, page_bytes, rig.get());
+  auto* device_store = dynamic_cast<paging::DeviceCacheStore*>(&table->store());
   std::vector<Param> cpu_params = make_params(c, 11);
   std::vector<Param> table_params = make_params(c, 11);
   register_all(*cpu, cpu_params, c);
@@ -280,10 +349,25 @@ void check_config(const Config& c, int steps = 2) {
   for (int s = 0; s < steps; ++s) {
     new_gradients(cpu_params, 100 + s);
     new_gradients(table_params, 100 + s);
-    HostTableRunner runner;
     step(c, *cpu, cpu_params, nullptr);
-    step(c, *table, table_params, &runner);
+    if (device_store != nullptr) {
+      device_store->begin_use(rig->compute);
+      {
+        SimulatedTableRunner runner(*rig);
+        step(c, *table, table_params, &runner);
+      }  // waits for the stream: the params are read below
+      device_store->end_use();
+    } else {
+      HostTableRunner runner;
+      step(c, *table, table_params, &runner);
+    }
     expect_same_state(c, *cpu, *table, cpu_params, table_params, "step " + std::to_string(s));
+  }
+  if (device_store != nullptr) {
+    device_store->drain();
+    const paging::DeviceCacheStats stats = device_store->stats();
+    EXPECT_LE(stats.peak_resident_pages, c.device_budget);
+    if (table->table().num_pages() > c.device_budget) EXPECT_GT(stats.write_backs, 0);
   }
 }
 
@@ -468,6 +552,41 @@ TEST(TableEmulation, GradScaleDividesGradientsFirst) {
     step(c, *cpu, cpu_params, nullptr);
     step(c, *table, table_params, &runner);
     expect_same_state(c, *cpu, *table, cpu_params, table_params, "grad scale");
+  }
+}
+
+// Paging never changes results: the table kernels stepping state that moves between a
+// small device cache and pinned host memory, on streams that complete in random order,
+// give the bytes the CPU kernels give on resident state, step after step.
+TEST(TableEmulation, StatePagedThroughADeviceCacheMatchesResidentState) {
+  std::vector<Config> configs;
+  Config adamw8;
+  adamw8.type = ElementType::kBFloat16;
+  adamw8.residual_bits = 8;
+  configs.push_back(adamw8);
+  Config adamw32;
+  adamw32.state_bits = 32;
+  adamw32.amsgrad = true;
+  configs.push_back(adamw32);
+  Config sgd;
+  sgd.kind = OptimizerKind::kSGD;
+  sgd.type = ElementType::kFloat16;
+  sgd.residual_bits = 16;
+  sgd.nesterov = true;
+  configs.push_back(sgd);
+  Config lion;
+  lion.kind = OptimizerKind::kLion;
+  lion.type = ElementType::kBFloat16;
+  configs.push_back(lion);
+  for (Config c : configs) {
+    for (int32_t budget : {1, 2, 3, 64}) {
+      for (paging::EvictionPolicy policy : {paging::EvictionPolicy::kLru,
+                                            paging::EvictionPolicy::kPlan}) {
+        c.device_budget = budget;
+        c.policy = policy;
+        check_config(c, 3);
+      }
+    }
   }
 }
 
