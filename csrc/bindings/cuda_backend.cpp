@@ -5,6 +5,9 @@
 // allocates them. Host code only ever offsets page pointers; bytes move through
 // cudaMemcpyAsync.
 //
+// Paged state (offload='host'|'nvme') lives in a paging::DeviceCacheStore over the CUDA
+// device of cuda_device.h instead; a step orders itself with either store the same way.
+//
 // A step: validate, then hand PagedState a CudaTableRunner. The runner packs the scalar jobs
 // and the work-table rows of each batch into one pinned host buffer, copies it to the device
 // asynchronously (torch's pinned allocator keeps the buffer until the copy is done), and
@@ -24,8 +27,10 @@
 #include <string>
 #include <utility>
 
+#include "bindings/cuda_device.h"
 #include "bindings/tensor_args.h"
 #include "kernels/cuda/table_kernels.cuh"
+#include "pagedoptim/paging/device_cache_store.h"
 
 namespace pagedoptim::bindings {
 namespace {
@@ -327,11 +332,32 @@ class CudaTableRunner final : public optim::TableRunner {
   std::vector<at::Tensor> keep_;  // device buffers of this step
 };
 
-CudaPageStore& cuda_store(optim::PagedState& state) {
-  auto* store = dynamic_cast<CudaPageStore*>(&state.store());
-  TORCH_CHECK(store != nullptr, "this optimizer state lives on the CPU, not on a CUDA device");
-  return *store;
-}
+// The pages of a state on a GPU: all resident (CudaPageStore, offload=None), or a device
+// cache over pinned host memory or the page file (DeviceCacheStore). Either way a step
+// names its stream before its first pin and records its last use after its last launch.
+class DeviceState {
+ public:
+  explicit DeviceState(optim::PagedState& state)
+      : resident_(dynamic_cast<CudaPageStore*>(&state.store())),
+        cached_(dynamic_cast<paging::DeviceCacheStore*>(&state.store())) {
+    device_ = resident_ != nullptr ? resident_->device()
+              : cached_ != nullptr ? cuda_index_of(cached_->device())
+                                   : -1;
+    TORCH_CHECK(device_ >= 0, "this optimizer state lives on the CPU, not on a CUDA device");
+  }
+  int device() const { return device_; }
+  void begin_use(cudaStream_t stream) {
+    resident_ != nullptr ? resident_->begin_use(stream) : cached_->begin_use(stream);
+  }
+  void end_use(cudaStream_t stream) {
+    resident_ != nullptr ? resident_->end_use(stream) : cached_->end_use();
+  }
+
+ private:
+  CudaPageStore* resident_;
+  paging::DeviceCacheStore* cached_;
+  int device_ = -1;
+};
 
 const float* device_scalar(const std::optional<at::Tensor>& t, const char* name, int device) {
   if (!t.has_value()) return nullptr;
@@ -373,7 +399,7 @@ std::vector<optim::ParamStep> cuda_param_steps(const CudaStepArgs& a, int device
 // used the state last (another stream, say) and recorded as its new last use, whether or not
 // it throws: what it enqueued before an error still orders later work.
 template <class Enqueue>
-void on_state_stream(CudaPageStore& store, const float* found_inf, const float* grad_scale,
+void on_state_stream(DeviceState& store, const float* found_inf, const float* grad_scale,
                      const Enqueue& enqueue) {
   c10::cuda::CUDAGuard guard(store.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(store.device()).stream();
@@ -392,7 +418,7 @@ void on_state_stream(CudaPageStore& store, const float* found_inf, const float* 
 template <class Group, class Step>
 void cuda_step(optim::PagedState& state, const CudaStepArgs& args,
                const std::vector<Group>& hyperparameters, Step step) {
-  CudaPageStore& store = cuda_store(state);
+  DeviceState store(state);
   const int device = store.device();
   const std::vector<optim::ParamStep> param_steps =
       cuda_param_steps(args, device, hyperparameters.size());
@@ -413,8 +439,11 @@ std::unique_ptr<paging::PageStore> make_cuda_page_store(int64_t page_bytes, int 
 }
 
 int cuda_device_of(optim::PagedState& state) {
-  auto* store = dynamic_cast<CudaPageStore*>(&state.store());
-  return store == nullptr ? -1 : store->device();
+  if (auto* store = dynamic_cast<CudaPageStore*>(&state.store())) return store->device();
+  if (auto* store = dynamic_cast<paging::DeviceCacheStore*>(&state.store())) {
+    return cuda_index_of(store->device());
+  }
+  return -1;
 }
 
 void cuda_step_adamw(optim::PagedState& state, const CudaStepArgs& args,
@@ -449,7 +478,7 @@ void cuda_step_skewadam(optim::PagedState& state, const CudaStepArgs& args,
   TORCH_CHECK_VALUE(!args.found_inf.has_value() && !args.grad_scale.has_value(),
                     "SkewAdam takes no found_inf/grad_scale: GradScaler unscales its gradients "
                     "before the step");
-  CudaPageStore& store = cuda_store(state);
+  DeviceState store(state);
   const int device = store.device();
   const std::vector<optim::ParamStep> param_steps =
       cuda_param_steps(args, device, hyperparameters.size());

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "pagedoptim/device/device.h"
 #include "pagedoptim/paging/page_store.h"
 
 namespace pagedoptim::bindings {
@@ -16,6 +17,18 @@ namespace pagedoptim::bindings {
 // queue_depth, direct, faults; a bad value raises ValueError naming its key.
 std::unique_ptr<paging::PageStore> make_page_store(const pybind11::object& options,
                                                    int64_t page_bytes);
+
+// With CUDA params and offload: a DeviceCacheStore on `device` (a device cache of
+// cache_bytes over pinned host memory or the page file behind pinned bounce buffers). The
+// device must outlive the store.
+std::unique_ptr<paging::PageStore> make_device_page_store(const pybind11::object& options,
+                                                          int64_t page_bytes,
+                                                          device::Device& device);
+
+// Bytes of page memory per place: "device", "pinned_host", "host" (the CPU cache),
+// "host_tier", "nvme" (only the places the store uses). `on_device`: an unpaged store's
+// pages are on the GPU.
+pybind11::dict state_placement(paging::PageStore& store, bool on_device);
 
 // hits, misses, bytes read/written per tier, stall seconds, io backend, ... (zeros and
 // offload=None for a store that does not page).

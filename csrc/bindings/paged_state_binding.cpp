@@ -15,6 +15,7 @@
 #include "bindings/tensor_args.h"
 #ifdef PAGEDOPTIM_WITH_CUDA
 #include "bindings/cuda_backend.h"
+#include "bindings/cuda_device.h"
 #endif
 
 namespace pagedoptim::bindings {
@@ -138,11 +139,7 @@ std::unique_ptr<paging::PageStore> make_store(const py::object& store, int64_t p
                                               int device) {
   if (device < 0) return make_page_store(store, page_bytes);
 #ifdef PAGEDOPTIM_WITH_CUDA
-  if (!store.is_none()) {
-    throw std::runtime_error(
-        "paging (offload='host'|'nvme' or cache_bytes) is not implemented yet for state on a "
-        "CUDA device: use offload=None there, or keep the params on the CPU");
-  }
+  if (!store.is_none()) return make_device_page_store(store, page_bytes, cuda_device(device));
   return make_cuda_page_store(page_bytes, device);
 #else
   TORCH_CHECK(false, "this build of pagedoptim has no CUDA kernels, so it cannot keep state on "
@@ -327,9 +324,10 @@ void bind_paged_state(pybind11::module_& m) {
       .def("stream_bytes", &PagedState::stream_bytes, py::arg("slot"), py::arg("stream"),
            "Bytes the stream of the parameter in `slot` holds (its payload, no padding).")
       .def("memory_usage",
-           [](const PagedState& s) {
+           [](PagedState& s) {
              const optim::MemoryUsage u = s.memory_usage();
              py::dict d;
+             d["placement"] = state_placement(s.store(), state_device(s) >= 0);
              d["state_bytes"] = u.state_bytes;
              d["resident_bytes"] = u.resident_bytes;
              d["payload_bytes"] = u.payload_bytes;

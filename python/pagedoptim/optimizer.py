@@ -49,6 +49,8 @@ class PagedOptimizer(torch.optim.Optimizer):
                             "named_parameters()), not a set: a set's order changes between "
                             "runs, and the state_dict maps state to params by position")
         super().__init__(params, defaults)
+        # What can be known wrong before the first step is reported here, not there.
+        paging.check_before_first_step(options, self._device)
 
     # -- what each optimizer provides ------------------------------------------------------
 
@@ -289,12 +291,6 @@ class PagedOptimizer(torch.optim.Optimizer):
             store = paging.store_options(self._options, self._device)
             device = "cpu"
             if self._on_cuda():
-                if store is not None:
-                    raise NotImplementedError(
-                        f"offload={store['offload']!r} with params on {self._device}: paging "
-                        "state between the GPU and host memory or NVMe is not implemented "
-                        "yet; use offload=None (state stays on the GPU, compressed) or keep "
-                        "the params on the CPU")
                 device = f"cuda:{self._device.index or 0}"
             self._engine = native.PagedState(self._kind, native_kinds, self._options.page_bytes,
                                              store=store, device=device)
@@ -477,7 +473,11 @@ class PagedOptimizer(torch.optim.Optimizer):
         (fp16 group scales), 'residual_bytes' (master residuals), 'step_bytes', and
         'page_slack_bytes' (page space not used by any stream: alignment and the unfilled
         end of the last pages); 'state_bytes' is their sum, what the pages and step counters
-        occupy.
+        occupy. 'state_placement' says where the page bytes are: 'device' (GPU memory the
+        state holds: all of it, or the page cache when paged), 'pinned_host' (page-locked
+        host memory under a GPU cache), 'host' (host memory: all of it, or the cache of a
+        paged CPU state), 'host_tier' and 'nvme' (the tier below a CPU cache, the page
+        file).
         """
         params = self._indexed_params()
         num_elements = sum(p.numel() for p in params)
@@ -486,9 +486,11 @@ class PagedOptimizer(torch.optim.Optimizer):
                          for p in params if p.grad is not None)
         moment_bytes = scale_bytes = residual_bytes = 0
         page_bytes = num_pages = 0
+        placement: dict[str, int] = {}
         if self._engine is not None:
             usage = self._engine.memory_usage()
             page_bytes, num_pages = usage["state_bytes"], usage["num_pages"]
+            placement = dict(usage["placement"])
             for p, slot in self._slots.items():
                 if slot < 0:
                     continue
@@ -513,6 +515,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             "step_bytes": step_bytes,
             "page_slack_bytes": page_bytes - moment_bytes - scale_bytes - residual_bytes,
             "num_pages": num_pages,
+            "state_placement": placement,
             "page_bytes": self._options.page_bytes,
             "num_elements": num_elements,
             "state_bytes_per_param": state_bytes / per_param,

@@ -88,6 +88,34 @@ def store_options(options: PagingOptions, device: Optional[torch.device]) -> Opt
     return store
 
 
+def check_before_first_step(options: PagingOptions, device: Optional[torch.device]) -> None:
+    """The paging settings that can be checked at construction: the page file's directory
+    (it must exist and be writable), and on a GPU a cache that holds at least one page and
+    fits in the device's free memory."""
+    offload = resolve_offload(options, device)
+    if offload == "nvme":
+        directory = os.fspath(options.nvme_dir) if options.nvme_dir is not None else \
+            (os.environ.get("TMPDIR") or "/tmp")
+        label = "nvme_dir" if options.nvme_dir is not None else "the default nvme_dir ($TMPDIR)"
+        if not os.path.isdir(directory):
+            raise ValueError(f"{label} {directory!r} does not exist or is not a directory: the "
+                             "page file goes there")
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise PermissionError(f"{label} {directory!r} is not writable: the page file goes "
+                                  "there")
+    if offload is None or device is None or device.type != "cuda":
+        return
+    cache_bytes = options.cache_bytes if options.cache_bytes is not None else DEFAULT_CACHE_BYTES
+    if cache_bytes < options.page_bytes:
+        raise ValueError(f"cache_bytes={cache_bytes} must hold at least one page of "
+                         f"page_bytes={options.page_bytes} on {device}")
+    free, _ = torch.cuda.mem_get_info(device)
+    if cache_bytes > free:
+        raise ValueError(f"cache_bytes={cache_bytes} is more than the {free} bytes free on "
+                         f"{device}: lower cache_bytes (the state's pages beyond it stay in "
+                         f"{'pinned host memory' if offload == 'host' else 'the page file'})")
+
+
 def warn_about_fallbacks(engine: Any) -> None:
     """A warning for each way the page file runs below its best: POSIX instead of io_uring,
     buffered instead of O_DIRECT."""

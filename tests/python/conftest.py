@@ -26,6 +26,22 @@ import pagedoptim as po
 
 FP32_TOL = 1e-6
 
+
+def cuda_skip_reason() -> "str | None":
+    """Why the GPU tests cannot run here (None: they can): no CUDA device, or a pagedoptim
+    built without its CUDA kernels."""
+    from pagedoptim._native import native
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    try:
+        built = native.cuda_built()
+    except (AttributeError, RuntimeError) as error:
+        return f"pagedoptim's native extension has no CUDA backend: {error}"
+    if not built:
+        return ("pagedoptim was built without its CUDA kernels: rebuild it with "
+                "PAGEDOPTIM_WITH_CUDA=1 pip install --no-build-isolation -e .")
+    return None
+
 # Sizes that are not multiples of 32 (the quantization group and any vector width), one
 # that is, a 0-dim scalar, and multi-dimensional tensors.
 SMALL_SHAPES = [(), (7,), (33,), (64,), (5, 13), (3, 31, 3)]

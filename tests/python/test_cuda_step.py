@@ -19,7 +19,7 @@ What is held here (docs/gpu.md says how to run it and what each part shows):
 * Device memory: pages come from torch's caching allocator, so they show in
   torch.cuda.memory_allocated(), and go back to it with the optimizer.
 * SkewAdam: its statistics and elementwise kernels bit-identical to the CPU, every tier.
-* Errors: CPU grads, mixed devices, paging to host/NVMe, out-of-memory.
+* Errors: CPU grads, mixed devices, out-of-memory. (Paging to host/NVMe: test_cuda_paging.py.)
 
 Every test needs a CUDA device and a pagedoptim built with its CUDA kernels; elsewhere the whole
 module is skipped with the reason. Tests whose names contain "large" need about 20 GB of free
@@ -42,26 +42,14 @@ import torch
 from torch import nn
 
 import pagedoptim as po
+from conftest import cuda_skip_reason
 from pagedoptim._native import native
 from pagedoptim.optimizer import _StepBatch
 
 GROUP = 32  # elements per quantization group (one fp16 scale each)
 
 
-def _reason_to_skip() -> str | None:
-    if not torch.cuda.is_available():
-        return "no CUDA device (torch.cuda.is_available() is False)"
-    try:
-        built = native.cuda_built()
-    except (AttributeError, RuntimeError) as error:
-        return f"pagedoptim's native extension has no CUDA backend: {error}"
-    if not built:
-        return ("pagedoptim was built without its CUDA kernels: rebuild it with "
-                "PAGEDOPTIM_WITH_CUDA=1 pip install --no-build-isolation -e .")
-    return None
-
-
-SKIP_REASON = _reason_to_skip()
+SKIP_REASON = cuda_skip_reason()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 
 # Module-level so that a dry run can point the device-independent helpers elsewhere.
@@ -955,17 +943,6 @@ def test_model_moved_to_cuda_after_the_optimizer_was_built():
     assert opt._engine.device == f"cuda:{DEVICE.index or 0}"
     assert_optimizers_identical("moved model", list(ref_model.parameters()), ref,
                                 list(model.parameters()), opt)
-
-
-@pytest.mark.parametrize("paging", [dict(offload="host"), dict(offload="nvme"),
-                                    dict(cache_bytes=1 << 20)],
-                         ids=["host", "nvme", "cache_bytes"])
-def test_paging_cuda_state_is_not_implemented_yet(paging):
-    p = nn.Parameter(torch.randn(64, device=DEVICE))
-    opt = po.AdamW([p], lr=1e-3, **paging)
-    p.grad = torch.randn_like(p)
-    with pytest.raises(NotImplementedError, match="offload"):
-        opt.step()
 
 
 # SkewAdam's tiers: factored backbone matrices with momentum, [E, rows, cols] experts with

@@ -219,6 +219,38 @@ def test_bad_paging_arguments_name_themselves(name, kw, error, word):
     assert word in str(info.value)
 
 
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_missing_nvme_dir_is_reported_at_construction(name, tmp_path):
+    """Not at the first step, after the model was loaded and the first batch ran."""
+    missing = tmp_path / "not-there"
+    with pytest.raises(ValueError, match=r"nvme_dir .*not-there.* does not exist"):
+        OPTIMIZERS[name]([torch.randn(3, requires_grad=True)], nvme_dir=missing)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    with pytest.raises(ValueError, match="not a directory"):
+        OPTIMIZERS[name]([torch.randn(3, requires_grad=True)], offload="nvme", nvme_dir=a_file)
+
+
+def test_the_default_nvme_dir_is_checked_at_construction(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "gone"))
+    with pytest.raises(ValueError, match=r"default nvme_dir \(\$TMPDIR\)"):
+        po.AdamW([torch.randn(3, requires_grad=True)], offload="nvme")
+    # offload='host' on the CPU has no page file: nothing to check.
+    po.AdamW([torch.randn(3, requires_grad=True)], offload="host")
+
+
+def test_an_unwritable_nvme_dir_is_reported_at_construction(tmp_path, monkeypatch):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    # Root may write anywhere, and CI runs as root: ask the kernel as an unprivileged user
+    # would see it, through the same os.access the check uses.
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False
+                        if os.fspath(path) == str(locked) else real_access(path, mode, **kw))
+    with pytest.raises(PermissionError, match="not writable"):
+        po.AdamW([torch.randn(3, requires_grad=True)], nvme_dir=locked)
+
+
 @pytest.mark.parametrize("kw", [
     dict(offload="host"), dict(offload="nvme"), dict(cache_bytes=4096), dict(offload="host",
     cache_bytes=0, prefetch=0, policy="lru"), dict(offload="nvme", policy="plan", prefetch=9)])
