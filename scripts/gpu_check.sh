@@ -12,12 +12,13 @@
 #   summary.json       versions, each part's status and seconds, test counts, benchmark targets
 #   tests-junit.xml    the GPU tests, one entry per test
 #   bench.jsonl        benchmarks/gpu_step.py's JSON lines
+#   paging.jsonl       benchmarks/gpu_paging.py's JSON lines (link, offloaded step, 1B, 8B)
 #
 # Options:
 #   --only a,b     run only these parts (in their fixed order)
 #   --with a,b     add optional parts to the default ones; --NAME does the same for one part
 #   --skip a,b     leave these parts out
-#   --budget S     seconds for the whole run (default 300); a part gets what is left, up to its
+#   --budget S     seconds for the whole run (default 360); a part gets what is left, up to its
 #                  own limit, and is skipped when too little is left
 #   --no-large     leave out the tests named *large* (the 2**31-element span, ~18 GB)
 #   --quick        a smoke run: quick benchmark, sanitizer's quick case list, no large tests
@@ -27,7 +28,8 @@
 # stop the run, and parts that need the build are skipped when the build failed:
 #   versions   nvidia-smi, nvcc, compute-sanitizer, python, torch, the device and its arch
 #   build      PAGEDOPTIM_WITH_CUDA=1 pip install -e . for this GPU's architecture only
-#   tests      pytest tests/python/test_cuda_step.py (+ test_device_dispatch.py if present)
+#   tests      pytest tests/python/test_cuda_step.py, test_cuda_paging.py (+ test_device_dispatch.py)
+#   paging     benchmarks/gpu_paging.py: link bandwidth, offloaded step, 1B and 8B training
 #   sanitize   compute-sanitizer memcheck over scripts/gpu_sanitize_cases.py
 #   bench      benchmarks/gpu_step.py
 #   racecheck  compute-sanitizer racecheck and synccheck, quick cases (only if time is left)
@@ -65,7 +67,8 @@ register_part() {
 }
 register_part versions   60  10 1 0 0 "nvidia-smi, nvcc, compute-sanitizer, python, torch, device"
 register_part build     240  60 1 0 0 "pip install -e . with the CUDA kernels for this GPU"
-register_part tests     180  30 1 1 0 "pytest tests/python/test_cuda_step.py"
+register_part tests     180  30 1 1 0 "pytest tests/python/test_cuda_step.py, test_cuda_paging.py"
+register_part paging    240  60 1 1 0 "benchmarks/gpu_paging.py: link, offloaded step, 1B, 8B"
 register_part sanitize  150  40 1 1 0 "compute-sanitizer memcheck over small cases"
 register_part bench     150  30 1 1 0 "benchmarks/gpu_step.py"
 register_part racecheck 120  60 1 1 1 "compute-sanitizer racecheck + synccheck, quick cases"
@@ -171,7 +174,7 @@ EOF
 
 part_tests() {
   local limit=$1
-  local files=(tests/python/test_cuda_step.py)
+  local files=(tests/python/test_cuda_step.py tests/python/test_cuda_paging.py)
   [ -f tests/python/test_device_dispatch.py ] && files+=(tests/python/test_device_dispatch.py)
   local args=(-q -rs -p no:cacheprovider -o junit_family=xunit1 --junitxml="$RESULTS/tests-junit.xml")
   if "$PYTHON" -c "import pytest_timeout" >/dev/null 2>&1; then
@@ -195,7 +198,8 @@ except (OSError, ET.ParseError) as error:
 suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
 counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
 # The GPU tests proper: if every one of them was skipped, nothing ran on the GPU.
-gpu = [case for case in root.iter("testcase") if "test_cuda_step" in case.get("classname", "")]
+gpu = [case for case in root.iter("testcase")
+       if any(m in case.get("classname", "") for m in ("test_cuda_step", "test_cuda_paging"))]
 counts["gpu_tests"] = len(gpu)
 counts["gpu_skipped"] = sum(1 for case in gpu if case.find("skipped") is not None)
 json.dump(counts, open(sys.argv[2], "w"))
@@ -259,22 +263,27 @@ part_initcheck() {
   run_sanitizer initcheck "$1" --quick
 }
 
-part_bench() {
-  local limit=$1 args=()
+# Runs a benchmark script (--quick when asked) with its JSON lines into $RESULTS/OUT; a
+# "skipped" line (no GPU, no CUDA kernels) fails the part.
+run_json_bench() {
+  local limit=$1 script=$2 out=$3 args=()
   [ "$QUICK" = 1 ] && args+=(--quick)
-  timeout --kill-after=15 "$limit" "$PYTHON" benchmarks/gpu_step.py "${args[@]}" \
-    | tee "$RESULTS/bench.jsonl"
+  timeout --kill-after=15 "$limit" "$PYTHON" "$script" "${args[@]}" | tee "$RESULTS/$out"
   local rc=${PIPESTATUS[0]}
-  if grep -q '"skipped"' "$RESULTS/bench.jsonl"; then echo "bench: skipped"; return 1; fi
+  if grep -q '"skipped"' "$RESULTS/$out"; then echo "$script: skipped"; return 1; fi
   return "$rc"
 }
+
+part_paging() { run_json_bench "$1" benchmarks/gpu_paging.py paging.jsonl; }
+
+part_bench() { run_json_bench "$1" benchmarks/gpu_step.py bench.jsonl; }
 
 # -- options --------------------------------------------------------------------------------
 
 usage() { awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; }
 
 RESULTS=${OUT:-./gpu-results}
-BUDGET=${PAGEDOPTIM_GPU_CHECK_BUDGET:-300}
+BUDGET=${PAGEDOPTIM_GPU_CHECK_BUDGET:-360}
 LARGE=1
 QUICK=0
 ONLY=""
@@ -412,22 +421,25 @@ parts = []
 for line in open(table):
     name, state, seconds, note = line.rstrip("\n").split("\t")
     parts.append({"part": name, "status": state, "seconds": int(seconds), "note": note})
-bench, targets = [], None
-try:
-    for line in open(os.path.join(results, "bench.jsonl")):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        bench.append(record)
-        if record.get("benchmark") == "gpu_targets":
-            targets = record
-except OSError:
-    pass
+bench, targets, paging, paging_targets = [], None, [], None
+for name, records in (("bench.jsonl", bench), ("paging.jsonl", paging)):
+    try:
+        for line in open(os.path.join(results, name)):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            records.append(record)
+            if record.get("benchmark") == "gpu_targets":
+                targets = record
+            if record.get("bench") == "gpu_paging_targets":
+                paging_targets = record
+    except OSError:
+        pass
 summary = {"exit_status": int(status), "budget_s": int(budget), "elapsed_s": int(elapsed),
            "parts": parts, "versions": load(os.path.join(work, "versions.json")),
            "tests": load(os.path.join(work, "tests.json")), "bench_targets": targets,
-           "bench": bench}
+           "bench": bench, "paging_targets": paging_targets, "paging": paging}
 with open(os.path.join(results, "summary.json"), "w") as f:
     json.dump(summary, f, indent=1)
 EOF

@@ -80,3 +80,23 @@ def test_step_throughput_quick_prints_one_json_object_per_line():
         assert record["params_per_s"] > 0 and record["roofline_fraction"] > 0, record
     assert {r["optimizer"] for r in throughput} == {"pagedoptim", "torch_fused", "torch_foreach"}
     assert {r["size"] for r in throughput} >= {"1M"}
+
+
+def test_gpu_paging_harness_runs_on_the_cpu():
+    """benchmarks/gpu_paging.py first runs for real on a lent GPU; its harness (model from a
+    config, activation checkpointing, gradient release, paged against resident state, the
+    memory plan) is checked here so that the GPU run does not fail on a typo."""
+    result = run([str(REPO_ROOT / "benchmarks" / "gpu_paging.py"), "--quick", "--device", "cpu",
+                  "--parts", "train,headline"], timeout=600)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    train = [r for r in records if r.get("part") == "train"]
+    assert [r["paged"] for r in train] == [False, True], records
+    # Paging never changes results: the same seeds give the same loss, paged or not.
+    assert train[0]["loss"] == train[1]["loss"], train
+    assert all(r["tokens_per_s"] > 0 for r in train)
+    headline = next(r for r in records if r.get("part") == "headline")
+    plan = headline["memory_plan"]
+    assert plan["torch_adamw_gib"] > plan["pagedoptim_8bit_resident_gib"] > \
+        plan["pagedoptim_8bit_resident_release_gib"] > 0
+    assert records[-1]["bench"] == "gpu_paging_targets"
