@@ -54,7 +54,12 @@ class CudaDevice final : public device::Device {
   }
 
   void release_host(void* memory) noexcept override {
-    if (memory != nullptr) (void)cudaFreeHost(memory);
+    if (memory == nullptr) return;
+    try {
+      c10::cuda::CUDAGuard guard(index_);  // never a context on device 0 for another rank
+      (void)cudaFreeHost(memory);
+    } catch (...) {
+    }
   }
 
   device::Stream create_stream() override {
@@ -84,7 +89,10 @@ class CudaDevice final : public device::Device {
   device::Event create_event(bool timing) override {
     c10::cuda::CUDAGuard guard(index_);
     cudaEvent_t event = nullptr;
-    check(cudaEventCreateWithFlags(&event, timing ? cudaEventDefault : cudaEventDisableTiming),
+    // Timing events are the ones the page cache's retirer waits on: blocking sync, so that
+    // the wait sleeps instead of spinning a core while copies are in flight.
+    check(cudaEventCreateWithFlags(&event, timing ? cudaEventBlockingSync
+                                                  : cudaEventDisableTiming),
           "creating an event");
     return event;
   }
@@ -106,11 +114,15 @@ class CudaDevice final : public device::Device {
           "ordering a stream after an event");
   }
 
+  // The retirer thread calls these two: its current device must be this one, or the runtime
+  // would create a context on device 0 (500 MiB there for every rank but rank 0).
   void synchronize(device::Event event) override {
+    c10::cuda::CUDAGuard guard(index_);
     check(cudaEventSynchronize(static_cast<cudaEvent_t>(event)), "waiting for a page copy");
   }
 
   double elapsed(device::Event start, device::Event end) override {
+    c10::cuda::CUDAGuard guard(index_);
     float ms = 0;
     check(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start),
                                static_cast<cudaEvent_t>(end)),

@@ -169,9 +169,13 @@ StoreConfig parse_store_options(const py::object& options, int64_t page_bytes) {
   return config;
 }
 
-// Pinned bounce buffers between a device cache and the page file: enough for the copies in
-// flight each way plus the file's own read-ahead.
-constexpr int32_t kMinBouncePages = 16;
+// Pinned bounce buffers between a device cache and the page file. Each copy in flight holds
+// one until it retires, and the step's thread may enqueue a whole batch (half the device
+// budget) ahead of the GPU, plus the prefetch window each way: fewer would push the file's
+// cache past its budget (pinning and unpinning memory, which synchronizes the device).
+int64_t bounce_pages(int64_t device_budget_pages, int32_t prefetch) {
+  return std::max<int64_t>(16, device_budget_pages / 2 + 2 * int64_t(prefetch) + 4);
+}
 
 io::FaultInjectingEngine& fault_injector(optim::PagedState& state) {
   io::FaultInjectingEngine* injector = tiered_store(state).tier().fault_injector();
@@ -210,7 +214,7 @@ std::unique_ptr<paging::PageStore> make_device_page_store(const py::object& opti
     home = std::make_unique<paging::PinnedHostStore>(device, page_bytes);
   } else {
     paging::TieredStoreOptions bounce = config.store;
-    bounce.cache_bytes = int64_t(std::max(kMinBouncePages, 4 * bounce.prefetch)) * page_bytes;
+    bounce.cache_bytes = bounce_pages(cache.cache_bytes / page_bytes, bounce.prefetch) * page_bytes;
     bounce.slots.allocate = [&device](int64_t bytes) { return device.allocate_host(bytes); };
     bounce.slots.release = [&device](void* memory) { device.release_host(memory); };
     home = std::make_unique<paging::TieredPageStore>(bounce, paging::make_file_tier(config.file));
@@ -448,7 +452,10 @@ void bind_page_store(py::module_& m) {
                             "this optimizer's state is not paged (offload=None)");
           py::gil_scoped_release no_gil;
           if (device != nullptr) device->drain();  // the copies first: they pin file pages
-          if (file != nullptr) file->drain();
+          if (file != nullptr) {
+            file->drain();
+            if (device != nullptr) file->raise_pending_error();
+          }
         },
         py::arg("state"), "Waits until the pager has no I/O in flight.");
 }

@@ -150,7 +150,15 @@ void PagedState::run_tables(const std::vector<ParamStep>& params, TableRunner& r
     try {
       if (!builder.empty()) runner.run(builder.finish());
     } catch (...) {
-      for (size_t i = batch_begin; i < batch_end; ++i) store_->unpin(plan[i], /*dirty=*/true);
+      // The runner's error is the one to report: an unpin here may throw a store's pending
+      // error (a write-back that failed earlier, counted in paging_stats()["write_errors"];
+      // its page stayed in memory), which must not replace it.
+      for (size_t i = batch_begin; i < batch_end; ++i) {
+        try {
+          store_->unpin(plan[i], /*dirty=*/true);
+        } catch (...) {
+        }
+      }
       throw;
     }
     for (size_t i = batch_begin; i < batch_end; ++i) store_->unpin(plan[i], /*dirty=*/true);

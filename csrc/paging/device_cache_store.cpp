@@ -105,7 +105,7 @@ void DeviceCacheStore::grow(int32_t num_pages) {
   plan_.resize(num_pages);
 }
 
-int32_t DeviceCacheStore::pin_limit() const { return std::max(1, budget_slots_ / 2); }
+int32_t DeviceCacheStore::pin_limit() const { return std::max(1, slot_cap_ / 2); }
 
 int64_t DeviceCacheStore::resident_bytes() const { return int64_t(slots_.size()) * page_bytes_; }
 
@@ -116,9 +116,16 @@ void DeviceCacheStore::plan(const std::vector<int32_t>& pages) {
                               std::to_string(num_pages()));
     }
   }
-  // Gradient release: a page this round has seen already starts the next round, and the
-  // round just ended becomes the order to prefetch by.
-  if (!pages.empty() && in_round_[size_t(pages.front())] != 0) {
+  // Gradient release: a call whose pages this round has all seen, among them the round's
+  // first page, starts the next round (backward visits the parameters in the same order
+  // every time; a small parameter that shares pages with earlier ones has all its pages
+  // seen too, but rarely the round's first). The round just ended becomes the order to
+  // prefetch by.
+  const bool all_seen = !pages.empty() && !round_.empty() &&
+                        std::all_of(pages.begin(), pages.end(),
+                                    [&](int32_t page) { return in_round_[size_t(page)] != 0; }) &&
+                        std::find(pages.begin(), pages.end(), round_.front()) != pages.end();
+  if (all_seen) {
     for (int32_t page : learned_) learned_position_[size_t(page)] = -1;
     learned_ = std::move(round_);
     round_.clear();
@@ -135,10 +142,11 @@ void DeviceCacheStore::plan(const std::vector<int32_t>& pages) {
       round_.push_back(page);
     }
   }
-  // The call's pages, then what the learned order says comes after its last page.
+  // The call's pages, then what the learned order says comes after the latest of them.
   std::vector<int32_t> extended = pages;
   if (!pages.empty() && !learned_.empty()) {
-    const int64_t at = learned_position_[size_t(pages.back())];
+    int64_t at = -1;
+    for (int32_t page : pages) at = std::max(at, learned_position_[size_t(page)]);
     if (at >= 0) {
       const int64_t horizon = std::max<int64_t>(budget_slots_, prefetch_);
       for (int64_t i = at + 1; i < int64_t(learned_.size()) && i <= at + horizon; ++i) {
@@ -147,12 +155,13 @@ void DeviceCacheStore::plan(const std::vector<int32_t>& pages) {
     }
   }
   plan_end_ = int64_t(pages.size());
-  plan_.set(std::move(extended));
-  // The home store reads ahead (the page file) in the order its pages will be wanted.
+  // The home store reads ahead (the page file) in the order its pages will be wanted,
+  // the learned ones included.
   std::vector<int32_t> missing;
-  for (int32_t page : pages) {
+  for (int32_t page : extended) {
     if (pages_[size_t(page)].slot < 0) missing.push_back(page);
   }
+  plan_.set(std::move(extended));
   home_->plan(missing);
 }
 
@@ -175,24 +184,62 @@ int32_t DeviceCacheStore::find_victim(int64_t needed_at) const {
   return best;
 }
 
+void DeviceCacheStore::give_back_events(const Job& job) noexcept {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (job.start != nullptr) free_events_.push_back(job.start);
+  if (job.end != nullptr) free_events_.push_back(job.end);
+}
+
+void DeviceCacheStore::abandon_copy(const Job& job) noexcept {
+  give_back_events(job);
+  try {
+    home_->unpin(job.page, /*dirty=*/false);
+  } catch (...) {
+  }
+}
+
+DeviceCacheStore::Job DeviceCacheStore::new_job(JobKind kind, int32_t page) {
+  Job job{kind, page, nullptr, nullptr};
+  try {
+    job.start = take_timing_event();
+    job.end = take_timing_event();
+  } catch (...) {
+    give_back_events(job);
+    throw;
+  }
+  return job;
+}
+
 int32_t DeviceCacheStore::evict(int32_t victim, bool demand) {
   Page& v = pages_[size_t(victim)];
   const int32_t index = v.slot;
   Slot& slot = slots_[size_t(index)];
   if (v.dirty) {
+    // Everything that can fail comes first: until the copy is enqueued the victim stays
+    // resident and dirty, and nothing else changed.
+    Job job{JobKind::kWriteBack, victim, nullptr, nullptr};
     std::byte* home = nullptr;
     try {
+      job = new_job(JobKind::kWriteBack, victim);
       home = home_->pin_overwrite(victim);
     } catch (...) {
+      give_back_events(job);
       if (demand) throw;
       return -1;
     }
-    Job job{JobKind::kWriteBack, victim, take_timing_event(), take_timing_event()};
-    device_.wait(to_host_, slot.released);
-    device_.record(job.start, to_host_);
-    device_.copy(to_host_, home, slot.memory, page_bytes_, device::CopyKind::kDeviceToHost);
-    device_.record(job.end, to_host_);
-    device_.record(slot.drained, to_host_);
+    try {
+      device_.wait(to_host_, slot.released);
+      device_.record(job.start, to_host_);
+      device_.copy(to_host_, home, slot.memory, page_bytes_, device::CopyKind::kDeviceToHost);
+      device_.record(job.end, to_host_);
+      device_.record(slot.drained, to_host_);
+    } catch (...) {
+      // The device failed: the victim keeps its slot, and the home page goes back
+      // unwritten (its old bytes, or a claimed bounce buffer, must not count as state).
+      abandon_copy(job);
+      if (demand) throw;
+      return -1;
+    }
     {
       std::lock_guard<std::mutex> lock(mutex_);
       ++v.writes_pending;
@@ -215,9 +262,20 @@ int32_t DeviceCacheStore::evict(int32_t victim, bool demand) {
 int32_t DeviceCacheStore::new_slot() {
   Slot slot;
   slot.memory = static_cast<std::byte*>(device_.allocate(page_bytes_));
-  slot.ready = device_.create_event(false);
-  slot.released = device_.create_event(false);
-  slot.drained = device_.create_event(false);
+  try {
+    slot.ready = device_.create_event(false);
+    slot.released = device_.create_event(false);
+    slot.drained = device_.create_event(false);
+    // The memory may be what the caching allocator got back from work still queued on the
+    // compute stream (its stream): the first copy into the slot waits for that work.
+    device_.record(slot.released, compute());
+  } catch (...) {
+    for (device::Event event : {slot.ready, slot.released, slot.drained}) {
+      if (event != nullptr) device_.destroy_event(event);
+    }
+    device_.release(slot.memory);
+    throw;
+  }
   slots_.push_back(slot);
   return int32_t(slots_.size()) - 1;
 }
@@ -261,10 +319,34 @@ bool DeviceCacheStore::load(int32_t page, int64_t needed_at, bool demand) {
   if (index < 0) return false;
   Page& p = pages_[size_t(page)];
   Slot& slot = slots_[size_t(index)];
+  // Everything that can fail comes before the page is marked resident: a failure leaves the
+  // slot free, the home page unpinned and the page where it was.
+  Job job{JobKind::kLoad, page, nullptr, nullptr};
   std::byte* home = nullptr;
   try {
+    job = new_job(JobKind::kLoad, page);
     home = home_->pin(page);
   } catch (...) {
+    give_back_events(job);
+    release_slot(index);
+    if (demand) throw;
+    return false;
+  }
+  try {
+    // The slot's previous page is done with (its kernels, its write-back) ...
+    device_.wait(to_device_, slot.released);
+    device_.wait(to_device_, slot.drained);
+    {
+      // ... and so is this page's latest write-back into the home copy.
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (p.writes_pending > 0) device_.wait(to_device_, slots_[size_t(p.home_slot)].drained);
+    }
+    device_.record(job.start, to_device_);
+    device_.copy(to_device_, slot.memory, home, page_bytes_, device::CopyKind::kHostToDevice);
+    device_.record(job.end, to_device_);
+    device_.record(slot.ready, to_device_);
+  } catch (...) {
+    abandon_copy(job);
     release_slot(index);
     if (demand) throw;
     return false;
@@ -275,19 +357,6 @@ bool DeviceCacheStore::load(int32_t page, int64_t needed_at, bool demand) {
   p.dirty = false;
   ++slots_in_use_;
   peak_slots_in_use_ = std::max(peak_slots_in_use_, slots_in_use_);
-  Job job{JobKind::kLoad, page, take_timing_event(), take_timing_event()};
-  // The slot's previous page is done with (its kernels, its write-back) ...
-  device_.wait(to_device_, slot.released);
-  device_.wait(to_device_, slot.drained);
-  {
-    // ... and so is this page's latest write-back into the home copy.
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (p.writes_pending > 0) device_.wait(to_device_, slots_[size_t(p.home_slot)].drained);
-  }
-  device_.record(job.start, to_device_);
-  device_.copy(to_device_, slot.memory, home, page_bytes_, device::CopyKind::kHostToDevice);
-  device_.record(job.end, to_device_);
-  device_.record(slot.ready, to_device_);
   push_job(job);
   return true;
 }
@@ -319,10 +388,15 @@ std::byte* DeviceCacheStore::pin(int32_t page) {
   } else {
     // The time between these two events is the time the compute stream stood still
     // waiting for the page.
-    Job stall{JobKind::kStall, page, take_timing_event(), take_timing_event()};
-    device_.record(stall.start, stream);
-    device_.wait(stream, slot.ready);
-    device_.record(stall.end, stream);
+    const Job stall = new_job(JobKind::kStall, page);
+    try {
+      device_.record(stall.start, stream);
+      device_.wait(stream, slot.ready);
+      device_.record(stall.end, stream);
+    } catch (...) {
+      give_back_events(stall);
+      throw;
+    }
     push_job(stall);
   }
   {
@@ -339,7 +413,12 @@ std::byte* DeviceCacheStore::pin(int32_t page) {
   ++pins_;
   p.last_use = ++clock_;
   plan_.advance_if_next(page);
-  prefetch_ahead();
+  try {
+    prefetch_ahead();
+  } catch (...) {
+    // A prefetch is a hint: the page it wanted is loaded (or fails) at its own pin. This
+    // pin succeeded and must not throw after counting itself.
+  }
   return slot.memory;
 }
 
@@ -360,6 +439,9 @@ void DeviceCacheStore::finish_plan() {
   plan_end_ = 0;
   plan_.clear();
   throw_pending();
+  // A page-file write-back that failed behind this step: its plan may never end (it holds
+  // pages of later calls), so ask for its error here.
+  home_->raise_pending_error();
 }
 
 void DeviceCacheStore::read_bytes(int32_t page, int64_t offset, void* out, int64_t bytes) {
@@ -447,6 +529,7 @@ void DeviceCacheStore::wait_for_jobs() {
 void DeviceCacheStore::drain() {
   wait_for_jobs();
   throw_pending();
+  home_->raise_pending_error();
 }
 
 void DeviceCacheStore::release_slot(int32_t index) {
@@ -470,10 +553,11 @@ void DeviceCacheStore::retirer_loop() {
     } catch (...) {
       error = std::current_exception();
     }
-    // The copy is done with the home page: a load read it, a write-back wrote it.
+    // The copy is done with the home page: a load read it, a write-back wrote it (unless
+    // the device failed: then the home keeps what it had, and the error is reported).
     if (job.kind != JobKind::kStall) {
       try {
-        home_->unpin(job.page, job.kind == JobKind::kWriteBack);
+        home_->unpin(job.page, job.kind == JobKind::kWriteBack && !error);
       } catch (...) {
         if (!error) error = std::current_exception();
       }

@@ -7,6 +7,7 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "pagedoptim/io/crc32c.h"
 #include "pagedoptim/paging/page_errors.h"
@@ -176,9 +177,10 @@ TieredPageStore::LoadResult TieredPageStore::load_locked(int32_t page, int64_t n
   const bool demand = needed_at < 0;
   try {
     return load_into_slot_locked(page, needed_at, demand, write_credit);
-  } catch (const std::bad_alloc&) {
+  } catch (const std::exception&) {
     // Slots are allocated on first use, possibly on a pager thread, where an exception
-    // must not escape. A prefetch just does not happen; a pin gets the error.
+    // must not escape (std::bad_alloc, or pinned memory a device refused). A prefetch just
+    // does not happen; a pin gets the error.
     if (demand) read_errors_[page] = LatchedError{std::current_exception(), ++error_clock_};
     return LoadResult::kBlocked;
   }
@@ -587,6 +589,13 @@ void TieredPageStore::reaper_loop() {
     schedule_locked();
     state_cv_.notify_all();
   }
+}
+
+void TieredPageStore::raise_pending_error() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!pending_error_) return;
+  std::exception_ptr error = std::exchange(pending_error_, nullptr);
+  std::rethrow_exception(error);
 }
 
 PagingStats TieredPageStore::stats() const {

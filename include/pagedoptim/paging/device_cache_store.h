@@ -148,6 +148,11 @@ class DeviceCacheStore final : public PageStore {
   void prefetch_ahead();
   void finish_plan();
   device::Event take_timing_event();
+  // A job with its two timing events; throws (taking none) when the device has no events.
+  Job new_job(JobKind kind, int32_t page);
+  void give_back_events(const Job& job) noexcept;
+  // A copy that could not be enqueued whole: its events go back, its home page unwritten.
+  void abandon_copy(const Job& job) noexcept;
   void push_job(const Job& job);
   void latch_error_locked(std::exception_ptr error);
   void throw_pending();

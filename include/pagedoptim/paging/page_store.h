@@ -50,6 +50,10 @@ class PageStore {
     unpin(page, /*dirty=*/true);
   }
 
+  // Throws an error the store met behind the caller's back (a failed write-back) and has
+  // not thrown yet; a store that has none does nothing.
+  virtual void raise_pending_error() {}
+
   virtual int32_t num_pages() const = 0;
   virtual int64_t page_bytes() const = 0;
   // Bytes of page memory held on the compute device / in host memory right now.

@@ -93,6 +93,9 @@ class TieredPageStore final : public PageStore {
   int64_t page_bytes() const override { return cache_.page_bytes(); }
   int64_t resident_bytes() const override;
 
+  // Throws the first write-back that has failed by now, once (without waiting for the
+  // write-backs in flight: drain() first for those).
+  void raise_pending_error() override;
   PagingStats stats() const;
   BackingTier& tier() noexcept { return *tier_; }
   // Blocks until no I/O is in flight or queued.

@@ -224,6 +224,8 @@ INSTANTIATE_TEST_SUITE_P(Budgets, DeviceCacheProperty, ::testing::ValuesIn(prope
 
 // Gradient release: one plan per parameter. After one round the store knows the order and
 // prefetches the next parameter's pages ahead of its call, with the same bytes as before.
+// Neighbouring parameters share a page (a parameter's last page holds the next one's first
+// elements), and the driver's scan direction alternates between calls.
 TEST(DeviceCacheStore, LearnsTheGradientReleaseOrderAndStaysExact) {
   SimulatedDevice device;
   device::Stream compute = device.create_stream();
@@ -233,14 +235,18 @@ TEST(DeviceCacheStore, LearnsTheGradientReleaseOrderAndStaysExact) {
     options.cache_bytes = 6 * kPageBytes;
     options.prefetch = 2;
     DeviceCacheStore store(device, std::make_unique<PinnedHostStore>(device, kPageBytes), options);
-    constexpr int32_t kPages = 16;
+    constexpr int32_t kParams = 8;
+    constexpr int32_t kPages = 2 * kParams + 1;
     store.grow(kPages);
     std::vector<std::vector<uint64_t>> model(kPages, std::vector<uint64_t>(kWords, 0));
     store.begin_use(compute);
+    int calls = 0;
     for (uint64_t round = 1; round <= 4; ++round) {
-      // Backward visits parameters last to first; each has two pages.
-      for (int32_t param = kPages / 2 - 1; param >= 0; --param) {
-        const std::vector<int32_t> plan = {2 * param, 2 * param + 1};
+      // Backward visits parameters last to first; each spans three pages, sharing its
+      // first with the previous parameter and its last with the next.
+      for (int32_t param = kParams - 1; param >= 0; --param) {
+        std::vector<int32_t> plan = {2 * param, 2 * param + 1, 2 * param + 2};
+        if (calls++ % 2 == 1) std::reverse(plan.begin(), plan.end());
         test::run_step(store, plan, [&](int32_t page, std::byte* bytes) {
           auto* words = reinterpret_cast<uint64_t*>(bytes);
           const uint64_t salt = round * 131 + uint64_t(page);
@@ -318,6 +324,7 @@ TEST(DeviceCacheStore, DeviceMemoryShortOfTheBudgetShrinksTheCache) {
     store.end_use();
     store.drain();
     EXPECT_EQ(store.resident_bytes(), 2 * kPageBytes);
+    EXPECT_EQ(store.pin_limit(), 1);  // half of the slots it got, not of the budget
     std::vector<unsigned char> bytes(kPageBytes);
     for (int32_t page = 0; page < 6; ++page) {
       store.read_bytes(page, 0, bytes.data(), kPageBytes);
