@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "emulation_util.h"
-#include "host_table_runner.h"
+#include "device/host_table_runner.h"
 #include "pagedoptim/optim/paged_state.h"
 
 namespace pagedoptim::optim {
@@ -20,7 +20,7 @@ namespace {
 
 using kernels::ElementType;
 using kernels::test::add_moment;
-using kernels::test::HostTableRunner;
+using kernels::emulation::HostTableRunner;
 using kernels::test::load_element;
 using kernels::test::store_element;
 

@@ -15,8 +15,9 @@
 #include <vector>
 
 #include "device/simulated_device.h"
+#include "device/simulated_table_runner.h"
 #include "emulation_util.h"
-#include "host_table_runner.h"
+#include "device/host_table_runner.h"
 #include "pagedoptim/codec/float_convert.h"
 #include "pagedoptim/optim/paged_state.h"
 #include "pagedoptim/paging/device_cache_store.h"
@@ -27,7 +28,7 @@ namespace {
 
 using kernels::ElementType;
 using kernels::test::add_moment;
-using kernels::test::HostTableRunner;
+using kernels::emulation::HostTableRunner;
 using kernels::test::load_element;
 using kernels::test::store_element;
 
@@ -116,47 +117,6 @@ struct DeviceRig {
   device::SimulatedDevice device;
   device::Stream compute = device.create_stream();
   ~DeviceRig() { device.destroy_stream(compute); }
-};
-
-// The host emulation of the kernels, enqueued on the simulated compute stream as launches:
-// each call's inputs are copied, since the driver's tables die before the stream runs them.
-class SimulatedTableRunner final : public TableRunner {
- public:
-  explicit SimulatedTableRunner(DeviceRig& rig) : rig_(rig) {}
-  // The enqueued work refers to the inner runner: wait for it.
-  ~SimulatedTableRunner() override { rig_.device.synchronize_stream(rig_.compute); }
-
-  void prepare_adamw(const std::vector<kernels::ScalarJob>& jobs,
-                     const std::vector<AdamWGroup>& groups) override {
-    launch([this, jobs, groups] { inner_.prepare_adamw(jobs, groups); });
-  }
-  void prepare_sgd(const std::vector<kernels::ScalarJob>& jobs,
-                   const std::vector<SGDGroup>& groups) override {
-    launch([this, jobs, groups] { inner_.prepare_sgd(jobs, groups); });
-  }
-  void prepare_lion(const std::vector<kernels::ScalarJob>& jobs,
-                    const std::vector<LionGroup>& groups) override {
-    launch([this, jobs, groups] { inner_.prepare_lion(jobs, groups); });
-  }
-  void prepare_skewadam(const std::vector<kernels::ScalarJob>& jobs,
-                        const std::vector<SkewAdamGroup>& groups) override {
-    launch([this, jobs, groups] { inner_.prepare_skewadam(jobs, groups); });
-  }
-  void* scratch(int64_t bytes) override { return inner_.scratch(bytes); }
-  void copy(void* dst, const void* src, int64_t bytes) override {
-    launch([dst, src, bytes] { std::memcpy(dst, src, size_t(bytes)); });
-  }
-  void run_statistics(const std::vector<kernels::FactorMatrix>& matrices) override {
-    launch([this, matrices] { inner_.run_statistics(matrices); });
-  }
-  void run(const TableBatch& batch) override {
-    launch([this, batch] { inner_.run(batch); });
-  }
-
- private:
-  void launch(std::function<void()> work) { rig_.device.launch(rig_.compute, std::move(work)); }
-  DeviceRig& rig_;
-  HostTableRunner inner_;
 };
 
 std::unique_ptr<PagedState> make_state(const Config& c, int64_t page_bytes,
@@ -353,7 +313,7 @@ void check_config(const Config& c, int steps = 2) {
     if (device_store != nullptr) {
       device_store->begin_use(rig->compute);
       {
-        SimulatedTableRunner runner(*rig);
+        device::SimulatedTableRunner runner(rig->device, rig->compute);
         step(c, *table, table_params, &runner);
       }  // waits for the stream: the params are read below
       device_store->end_use();

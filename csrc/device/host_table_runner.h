@@ -1,4 +1,5 @@
-// Host emulation of the CUDA table kernels, for the CPU tests.
+// Host emulation of the CUDA table kernels: the kernels of the simulated device
+// (simulated_table_runner.h) and of the CPU tests.
 //
 // The kernel bodies (csrc/kernels/table/step_bodies.h) are compiled here for the host and
 // run with a warp shim: each lane of an emulated warp is a thread of its own, and the warp
@@ -20,7 +21,7 @@
 #include "kernels/table/visit_body.h"
 #include "pagedoptim/optim/table_runner.h"
 
-namespace pagedoptim::kernels::test {
+namespace pagedoptim::kernels::emulation {
 
 // The 32 lanes of one emulated warp meet here for each reduction.
 class WarpExchange {
@@ -209,4 +210,4 @@ class HostTableRunner final : public optim::TableRunner {
   int64_t rows_ = 0;
 };
 
-}  // namespace pagedoptim::kernels::test
+}  // namespace pagedoptim::kernels::emulation
