@@ -8,10 +8,12 @@
 
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "pagedoptim/optim/paged_state.h"
 #include "bindings/page_store_binding.h"
+#include "bindings/simulated_backend.h"
 #include "bindings/tensor_args.h"
 #ifdef PAGEDOPTIM_WITH_CUDA
 #include "bindings/cuda_backend.h"
@@ -90,12 +92,28 @@ int state_device(optim::PagedState& state) {
 // the CPU kernels for host state, through the CUDA table kernels for device state. AMP's
 // found_inf/grad_scale are GradScaler's device scalars (CUDA state only; on the CPU,
 // GradScaler unscales and checks the gradients itself before calling step()).
+// The table-driver overload of the PagedState step for groups of type Group.
+template <class Group, class TableStep>
+TableStep table_step_for() {
+  if constexpr (std::is_same_v<Group, optim::AdamWGroup>) {
+    return static_cast<TableStep>(&PagedState::step_adamw);
+  } else if constexpr (std::is_same_v<Group, optim::SGDGroup>) {
+    return static_cast<TableStep>(&PagedState::step_sgd);
+  } else {
+    static_assert(std::is_same_v<Group, optim::LionGroup>);
+    return static_cast<TableStep>(&PagedState::step_lion);
+  }
+}
+
 template <class Group, class Step, class CudaStep>
 void run_step(optim::PagedState& state, const std::vector<at::Tensor>& params,
               const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& steps,
               const std::vector<int64_t>& slots, const std::vector<int64_t>& groups,
               const std::vector<Group>& group_values, Step step, CudaStep cuda_step,
               const OptionalTensor& found_inf, const OptionalTensor& grad_scale) {
+  // The table overload of the same PagedState step, for the simulated device.
+  using TableStep = void (PagedState::*)(const std::vector<optim::ParamStep>&,
+                                         const std::vector<Group>&, optim::TableRunner&);
   if (state_device(state) >= 0) {
 #ifdef PAGEDOPTIM_WITH_CUDA
     const CudaStepArgs args{params, grads, steps, slots, groups, found_inf, grad_scale};
@@ -111,6 +129,10 @@ void run_step(optim::PagedState& state, const std::vector<at::Tensor>& params,
   const std::vector<optim::ParamStep> param_steps =
       to_param_steps(params, grads, steps, slots, groups, group_values.size());
   pybind11::gil_scoped_release no_gil;
+  if (on_simulated_device(state)) {
+    simulated_step(state, param_steps, group_values, table_step_for<Group, TableStep>());
+    return;
+  }
   (state.*step)(param_steps, group_values, torch_parallel_for());
 }
 
@@ -125,9 +147,13 @@ template <class Group>
 using CpuStep = void (PagedState::*)(const std::vector<optim::ParamStep>&,
                                      const std::vector<Group>&, const optim::ParallelFor&);
 
-// "cpu" or "cuda:N" (what str(torch.device) gives) -> -1 or N.
+constexpr int kSimulatedDevice = -2;
+
+// "cpu" or "cuda:N" (what str(torch.device) gives) -> -1 or N; "simulated" (tests: the
+// GPU paging orchestration on the simulated device) -> kSimulatedDevice.
 int parse_device(const std::string& device) {
   if (device == "cpu") return -1;
+  if (device == "simulated") return kSimulatedDevice;
   const std::string prefix = "cuda:";
   TORCH_CHECK_VALUE(device.rfind(prefix, 0) == 0 && device.size() > prefix.size() &&
                         device.find_first_not_of("0123456789", prefix.size()) == std::string::npos,
@@ -137,6 +163,7 @@ int parse_device(const std::string& device) {
 
 std::unique_ptr<paging::PageStore> make_store(const py::object& store, int64_t page_bytes,
                                               int device) {
+  if (device == kSimulatedDevice) return make_simulated_page_store(store, page_bytes);
   if (device < 0) return make_page_store(store, page_bytes);
 #ifdef PAGEDOPTIM_WITH_CUDA
   if (!store.is_none()) return make_device_page_store(store, page_bytes, cuda_device(device));
@@ -215,6 +242,14 @@ void step_skewadam(optim::PagedState& state, const std::vector<at::Tensor>& para
                                                   rows, cols, momentum});
   }
   pybind11::gil_scoped_release no_gil;
+  if (on_simulated_device(state)) {
+    using TableStep = void (PagedState::*)(const std::vector<optim::SkewAdamParamStep>&,
+                                           const std::vector<optim::SkewAdamGroup>&,
+                                           optim::TableRunner&);
+    simulated_step(state, skew_steps, group_values,
+                   static_cast<TableStep>(&PagedState::step_skewadam));
+    return;
+  }
   state.step_skewadam(skew_steps, group_values, torch_parallel_for());
 }
 

@@ -289,9 +289,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             self._kinds = self._stream_kinds()
             native_kinds = [[spec.as_native() for spec in kind] for kind in self._kinds]
             store = paging.store_options(self._options, self._device)
-            device = "cpu"
-            if self._on_cuda():
-                device = f"cuda:{self._device.index or 0}"
+            device = paging.engine_device(store, self._device)
             self._engine = native.PagedState(self._kind, native_kinds, self._options.page_bytes,
                                              store=store, device=device)
             if store is not None:

@@ -67,6 +67,35 @@ def store_overrides(**extra: Any) -> Iterator[None]:
         _overrides.update(saved)
 
 
+_simulated = False
+
+
+@contextlib.contextmanager
+def simulated_device() -> Iterator[None]:
+    """Paged CPU state created inside the block lives on the simulated device instead of the
+    CPU pager: a device page cache (docs/gpu_paging.md) over host memory or the page file,
+    with streams that complete in random order, stepped by the host emulation of the CUDA
+    table kernels. For tests: the GPU paging orchestration on a machine without a GPU. It
+    must give exactly the bits of the CPU path."""
+    global _simulated
+    saved = _simulated
+    _simulated = True
+    try:
+        yield
+    finally:
+        _simulated = saved
+
+
+def engine_device(store: Optional[dict], device: Optional[torch.device]) -> str:
+    """The native engine's device string: "cuda:N" for CUDA params, "simulated" for paged
+    CPU params inside `simulated_device()`, else "cpu"."""
+    if device is not None and device.type == "cuda":
+        return f"cuda:{device.index or 0}"
+    if _simulated and store is not None:
+        return "simulated"
+    return "cpu"
+
+
 def store_options(options: PagingOptions, device: Optional[torch.device]) -> Optional[dict]:
     offload = resolve_offload(options, device)
     if offload is None:

@@ -86,6 +86,103 @@ def test_paging_is_bit_identical_for_every_policy_and_budget(shapes, seed, name,
                 assert stats["peak_resident_pages"] <= max(1, cache_bytes // PAGE)
 
 
+@settings(max_examples=6, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(shapes=shapes_strategy, seed=st.integers(0, 2**16), name=st.sampled_from(list(OPTIMIZERS)),
+       state_bits=st.sampled_from([32, 8]))
+def test_the_gpu_paging_orchestration_is_bit_identical_on_the_simulated_device(
+        shapes, seed, name, state_bits, tmp_path_factory):
+    """The property above through the GPU's device cache (docs/gpu_paging.md) on the
+    simulated device: copy streams that complete in random order, the table kernels' host
+    emulation on a simulated compute stream. Its bits must be the CPU path's."""
+    skip = lambda step, i: (step + i) % 3 == 2  # noqa: E731
+    bits = dict(state_bits=state_bits, master_bits=None)
+    ref_params, ref = run(name, shapes, seed, 4, skip, **bits)
+    nvme_dir = tmp_path_factory.mktemp("pages")
+    with paging.simulated_device():
+        for offload in ("host", "nvme"):
+            for policy in ("lru", "plan", "auto"):
+                for cache_bytes in (PAGE, 3 * PAGE, 1 << 30):
+                    params, opt = run(name, shapes, seed, 4, skip, offload=offload,
+                                      cache_bytes=cache_bytes, policy=policy, prefetch=2,
+                                      nvme_dir=nvme_dir if offload == "nvme" else None, **bits)
+                    for p, q in zip(params, ref_params):
+                        assert torch.equal(p, q), (offload, policy, cache_bytes)
+                    assert_same_state(opt, ref)
+                    stats = opt.paging_stats()
+                    assert stats["device"] == "simulated" and stats["offload"] == offload
+                    assert stats["peak_resident_pages"] <= max(1, cache_bytes // PAGE)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_released_grads_page_in_the_learned_order_on_the_simulated_device(name):
+    """Gradient release: one native step per parameter inside backward; from the second
+    backward on, the device cache prefetches in the order it learned."""
+    # Each param spans a few 4 KiB pages of 8-bit state; neighbours share one.
+    shapes = [(5000,), (60, 90), (3000,), (1,), (4096,), (2500,)]
+
+    def train(**kw):
+        params = [p.requires_grad_() for p in make_params(shapes, 5)]
+        opt = OPTIMIZERS[name](params, page_bytes=PAGE, release_grads=True,
+                               state_bits=8, master_bits=None, **kw)
+        g = torch.Generator().manual_seed(6)
+        for _ in range(4):
+            grads = [torch.randn(p.shape, generator=g) for p in params]
+            sum((p * grad).sum() for p, grad in zip(params, grads)).backward()
+            opt.step()
+        return params, opt
+
+    ref_params, ref = train()
+    with paging.simulated_device():
+        params, opt = train(offload="host", cache_bytes=4 * PAGE)
+    for p, q in zip(params, ref_params):
+        assert torch.equal(p, q)
+    assert_same_state(opt, ref)
+    stats = opt.paging_stats()
+    assert stats["learned_order_pages"] > 0 and stats["prefetch_hits"] > 0
+
+
+@pytest.mark.parametrize("fault,error", [
+    (dict(kind="eio", ops="read"), paging.PageIOError),
+    (dict(kind="flip", ops="read", flip_at=7), paging.PageCorruptionError),
+    (dict(kind="enospc", ops="write"), paging.PageIOError),
+], ids=["eio", "checksum", "enospc"])
+def test_page_file_faults_under_the_device_cache_lose_no_state(fault, error, tmp_path):
+    """The fault tests through the simulated device: a fault raises its error; afterwards
+    every page reads back and training goes on. A failed write-back happens behind a
+    completed step, so that run must stay bit-identical to one that never failed."""
+    # About 110 pages of fp32 state: well past the 16 bounce buffers above the page file.
+    shapes = [(30000,), (100, 200), (5000,)]
+    ref_params, ref = run("AdamW", shapes, 9, 4, lambda step, i: False, state_bits=32,
+                          master_bits=None)
+    params = [p.requires_grad_() for p in make_params(shapes, 9)]
+    opt = OPTIMIZERS["AdamW"](params, page_bytes=PAGE, offload="nvme", nvme_dir=tmp_path,
+                              cache_bytes=3 * PAGE, state_bits=32, master_bits=None)
+    g = torch.Generator().manual_seed(10)
+    failed = False
+    # The engine (and its store) is made at the first step: inside both blocks.
+    with paging.simulated_device(), paging.store_overrides(faults=[]):
+        for step in range(4):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            if step == 2:
+                paging.set_fault_rules(opt, [fault])
+            try:
+                opt.step()
+                paging.drain(opt)
+            except error:
+                failed = True
+            if step == 2:
+                paging.set_fault_rules(opt, [])
+    assert failed
+    assert opt.paging_stats()["device"] == "simulated"
+    opt.state_dict()  # every page reads back
+    if fault["ops"] == "write":
+        for p, q in zip(params, ref_params):
+            assert torch.equal(p, q)
+        assert_same_state(opt, ref)
+
+
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 @pytest.mark.parametrize("prefetch", [0, 1, 4, 16])
 def test_prefetch_depth_never_changes_results(name, prefetch, tmp_path):

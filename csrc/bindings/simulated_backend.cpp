@@ -1,0 +1,52 @@
+#include "bindings/simulated_backend.h"
+
+#include "bindings/page_store_binding.h"
+#include "device/simulated_device.h"
+#include "device/simulated_table_runner.h"
+#include "pagedoptim/paging/device_cache_store.h"
+
+namespace pagedoptim::bindings {
+namespace {
+
+// One simulated device and compute stream for the process: never destroyed, since stores
+// may use them until interpreter exit.
+struct Simulation {
+  device::SimulatedDevice device;
+  device::Stream compute = device.create_stream();
+};
+
+Simulation& simulation() {
+  static auto* instance = new Simulation();
+  return *instance;
+}
+
+}  // namespace
+
+std::unique_ptr<paging::PageStore> make_simulated_page_store(const pybind11::object& options,
+                                                             int64_t page_bytes) {
+  TORCH_CHECK_VALUE(!options.is_none(), "the simulated device is for paged state: give "
+                    "offload='host' or 'nvme' (or cache_bytes)");
+  return make_device_page_store(options, page_bytes, simulation().device);
+}
+
+bool on_simulated_device(optim::PagedState& state) {
+  auto* store = dynamic_cast<paging::DeviceCacheStore*>(&state.store());
+  return store != nullptr && &store->device() == &simulation().device;
+}
+
+void run_on_simulated_device(optim::PagedState& state,
+                             const std::function<void(optim::TableRunner&)>& step) {
+  auto& store = dynamic_cast<paging::DeviceCacheStore&>(state.store());
+  Simulation& sim = simulation();
+  store.begin_use(sim.compute);
+  try {
+    device::SimulatedTableRunner runner(sim.device, sim.compute);  // waits for the stream
+    step(runner);
+  } catch (...) {
+    store.end_use();
+    throw;
+  }
+  store.end_use();
+}
+
+}  // namespace pagedoptim::bindings
