@@ -190,6 +190,15 @@ void DeviceCacheStore::give_back_events(const Job& job) noexcept {
   if (job.end != nullptr) free_events_.push_back(job.end);
 }
 
+void DeviceCacheStore::enqueue_copy(device::Stream stream, const Job& job, void* dst,
+                                    const void* src, device::CopyKind kind,
+                                    device::Event done) {
+  device_.record(job.start, stream);
+  device_.copy(stream, dst, src, page_bytes_, kind);
+  device_.record(job.end, stream);
+  device_.record(done, stream);
+}
+
 void DeviceCacheStore::abandon_copy(const Job& job) noexcept {
   give_back_events(job);
   try {
@@ -214,10 +223,11 @@ int32_t DeviceCacheStore::evict(int32_t victim, bool demand) {
   Page& v = pages_[size_t(victim)];
   const int32_t index = v.slot;
   Slot& slot = slots_[size_t(index)];
-  if (v.dirty) {
+  const bool write_back = v.dirty;
+  Job job{JobKind::kWriteBack, victim, nullptr, nullptr};
+  if (write_back) {
     // Everything that can fail comes first: until the copy is enqueued the victim stays
     // resident and dirty, and nothing else changed.
-    Job job{JobKind::kWriteBack, victim, nullptr, nullptr};
     std::byte* home = nullptr;
     try {
       job = new_job(JobKind::kWriteBack, victim);
@@ -229,10 +239,8 @@ int32_t DeviceCacheStore::evict(int32_t victim, bool demand) {
     }
     try {
       device_.wait(to_host_, slot.released);
-      device_.record(job.start, to_host_);
-      device_.copy(to_host_, home, slot.memory, page_bytes_, device::CopyKind::kDeviceToHost);
-      device_.record(job.end, to_host_);
-      device_.record(slot.drained, to_host_);
+      enqueue_copy(to_host_, job, home, slot.memory, device::CopyKind::kDeviceToHost,
+                   slot.drained);
     } catch (...) {
       // The device failed: the victim keeps its slot, and the home page goes back
       // unwritten (its old bytes, or a claimed bounce buffer, must not count as state).
@@ -240,17 +248,17 @@ int32_t DeviceCacheStore::evict(int32_t victim, bool demand) {
       if (demand) throw;
       return -1;
     }
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      ++v.writes_pending;
-      v.home_slot = index;
-    }
-    push_job(job);
   }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     ++counters_.evictions;
+    if (write_back) {
+      ++v.writes_pending;
+      v.home_slot = index;
+      jobs_.push_back(job);
+    }
   }
+  if (write_back) jobs_cv_.notify_all();
   slot.page = -1;
   v.slot = -1;
   v.dirty = false;
@@ -341,10 +349,8 @@ bool DeviceCacheStore::load(int32_t page, int64_t needed_at, bool demand) {
       std::lock_guard<std::mutex> lock(mutex_);
       if (p.writes_pending > 0) device_.wait(to_device_, slots_[size_t(p.home_slot)].drained);
     }
-    device_.record(job.start, to_device_);
-    device_.copy(to_device_, slot.memory, home, page_bytes_, device::CopyKind::kHostToDevice);
-    device_.record(job.end, to_device_);
-    device_.record(slot.ready, to_device_);
+    enqueue_copy(to_device_, job, slot.memory, home, device::CopyKind::kHostToDevice,
+                 slot.ready);
   } catch (...) {
     abandon_copy(job);
     release_slot(index);
@@ -352,6 +358,7 @@ bool DeviceCacheStore::load(int32_t page, int64_t needed_at, bool demand) {
     return false;
   }
   slot.page = page;
+  slot.ready_unwaited = true;
   p.slot = index;
   p.loaded = true;
   p.dirty = false;
@@ -383,8 +390,11 @@ std::byte* DeviceCacheStore::pin(int32_t page) {
   if (!was_resident) load(page, -1, /*demand=*/true);
   // A copy, not a reference: prefetching below may add slots.
   const Slot slot = slots_[size_t(p.slot)];
+  // The compute stream waits for each record of `ready` once: a hit on a page it has
+  // waited for since its last copy costs no device call.
+  slots_[size_t(p.slot)].ready_unwaited = false;
   if (hit) {
-    device_.wait(stream, slot.ready);
+    if (slot.ready_unwaited) device_.wait(stream, slot.ready);
   } else {
     // The time between these two events is the time the compute stream stood still
     // waiting for the page.
@@ -474,11 +484,12 @@ void DeviceCacheStore::write_bytes(int32_t page, int64_t offset, const void* in,
   }
   Page& p = pages_[size_t(page)];
   if (p.slot >= 0) {
-    const Slot& slot = slots_[size_t(p.slot)];
+    Slot& slot = slots_[size_t(p.slot)];
     device_.wait(to_device_, slot.ready);
     device_.wait(to_device_, slot.released);
     device_.copy(to_device_, slot.memory + offset, in, bytes, device::CopyKind::kHostToDevice);
     device_.record(slot.ready, to_device_);
+    slot.ready_unwaited = true;
     device_.record(sync_event_, to_device_);
     device_.synchronize(sync_event_);  // `in` is the caller's, free once this returns
     p.dirty = true;

@@ -162,21 +162,26 @@ struct MasterIo {
       : param(static_cast<uint16_t*>(row.param)),
         residual(static_cast<Residual*>(row.residual)),
         grad(static_cast<const uint16_t*>(row.grad)) {}
-  PO_HOST_DEVICE float load(int64_t i) const {
+
+  // The fp32 master weight of a 16-bit parameter and its residual, and back.
+  PO_HOST_DEVICE static float join(uint16_t bits, Residual part) {
     if constexpr (kBf16) {
-      return codec::join_master_bf16<Residual>(param[i], residual[i]);
+      return codec::join_master_bf16<Residual>(bits, part);
     } else {
-      return codec::join_master_fp16<Residual>(param[i], residual[i]);
+      return codec::join_master_fp16<Residual>(bits, part);
     }
   }
+  PO_HOST_DEVICE static void split(float value, uint16_t& bits, Residual& part) {
+    if constexpr (kBf16) {
+      codec::split_master_bf16<Residual>(value, bits, part);
+    } else {
+      codec::split_master_fp16<Residual>(value, bits, part);
+    }
+  }
+
+  PO_HOST_DEVICE float load(int64_t i) const { return join(param[i], residual[i]); }
   PO_HOST_DEVICE float gradient(int64_t i) const { return half_to_float<kBf16>(grad[i]); }
-  PO_HOST_DEVICE void store(int64_t i, float value) const {
-    if constexpr (kBf16) {
-      codec::split_master_bf16<Residual>(value, param[i], residual[i]);
-    } else {
-      codec::split_master_fp16<Residual>(value, param[i], residual[i]);
-    }
-  }
+  PO_HOST_DEVICE void store(int64_t i, float value) const { split(value, param[i], residual[i]); }
 
   PO_HOST_DEVICE void load_vector(int64_t first, int active, float (&out)[kVectorWidth]) const {
     uint16_t bits[kVectorWidth];
@@ -184,12 +189,7 @@ struct MasterIo {
     table::load_vector(param, first, active, bits);
     table::load_vector(residual, first, active, parts);
     for (int k = 0; k < kVectorWidth; ++k) {
-      if (k >= active) continue;
-      if constexpr (kBf16) {
-        out[k] = codec::join_master_bf16<Residual>(bits[k], parts[k]);
-      } else {
-        out[k] = codec::join_master_fp16<Residual>(bits[k], parts[k]);
-      }
+      if (k < active) out[k] = join(bits[k], parts[k]);
     }
   }
   PO_HOST_DEVICE void gradient_vector(int64_t first, int active,
@@ -201,12 +201,7 @@ struct MasterIo {
     uint16_t bits[kVectorWidth] = {};
     Residual parts[kVectorWidth] = {};
     for (int k = 0; k < kVectorWidth; ++k) {
-      if (k >= active) continue;
-      if constexpr (kBf16) {
-        codec::split_master_bf16<Residual>(in[k], bits[k], parts[k]);
-      } else {
-        codec::split_master_fp16<Residual>(in[k], bits[k], parts[k]);
-      }
+      if (k < active) split(in[k], bits[k], parts[k]);
     }
     table::store_vector(param, first, active, bits);
     table::store_vector(residual, first, active, parts);

@@ -113,6 +113,7 @@ class DeviceCacheStore final : public PageStore {
     device::Event ready = nullptr;     // host-to-device stream: the page's bytes arrived
     device::Event released = nullptr;  // compute stream: the kernels on the page are done
     device::Event drained = nullptr;   // device-to-host stream: its write-back finished
+    bool ready_unwaited = false;  // `ready` was recorded since the compute stream waited
   };
   struct Page {
     int32_t slot = -1;
@@ -151,6 +152,10 @@ class DeviceCacheStore final : public PageStore {
   // A job with its two timing events; throws (taking none) when the device has no events.
   Job new_job(JobKind kind, int32_t page);
   void give_back_events(const Job& job) noexcept;
+  // Enqueues the job's timed copy of one page on `stream` and records `done` behind it (the
+  // caller makes the stream wait for what must finish first).
+  void enqueue_copy(device::Stream stream, const Job& job, void* dst, const void* src,
+                    device::CopyKind kind, device::Event done);
   // A copy that could not be enqueued whole: its events go back, its home page unwritten.
   void abandon_copy(const Job& job) noexcept;
   void push_job(const Job& job);
