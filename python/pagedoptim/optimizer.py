@@ -166,7 +166,11 @@ class PagedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _add_to_batch(self, batch: "_StepBatch", p: torch.Tensor, grad: torch.Tensor,
-                      group_id: int) -> None:
+                      group_id: int, *, target: Optional[torch.Tensor] = None,
+                      step: Optional[torch.Tensor] = None) -> None:
+        """Adds param `p` to the batch. The step updates `target` and advances `step`,
+        which are p and state[p]['step'] unless given: a compiled step hands over the
+        tensors of its custom op, which may be functional copies of them."""
         if grad.is_sparse:
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients "
                                f"(param of shape {tuple(p.shape)} has one)")
@@ -179,12 +183,13 @@ class PagedOptimizer(torch.optim.Optimizer):
         if grad.device != p.device:
             raise ValueError(f"the grad of {self._describe(p)} is on {grad.device}, its param "
                              f"on {p.device}: they must be on one device")
-        work = p if p.is_contiguous() else p.contiguous()
-        if work is not p:
-            batch.write_back.append((p, work))
+        target = p if target is None else target
+        work = target if target.is_contiguous() else target.contiguous()
+        if work is not target:
+            batch.write_back.append((target, work))
         batch.params.append(work)
         batch.grads.append(grad if grad.is_contiguous() else grad.contiguous())
-        batch.steps.append(self._step_counter(p))
+        batch.steps.append(self._step_counter(p) if step is None else step)
         batch.slots.append(self._slot(p))
         batch.group_ids.append(group_id)
 

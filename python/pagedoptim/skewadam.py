@@ -226,13 +226,13 @@ class SkewAdam(PagedOptimizer):
     # -- the step --------------------------------------------------------------------------
 
     def _add_to_batch(self, batch: Any, p: torch.Tensor, grad: torch.Tensor,
-                      group_id: int) -> None:
+                      group_id: int, **tensors: Optional[torch.Tensor]) -> None:
         if not batch.params:
             self._batch_layouts = []
         if grad.shape != p.shape:
             raise ValueError(f"grad of shape {tuple(grad.shape)} does not match its param of "
                              f"shape {tuple(p.shape)}")
-        super()._add_to_batch(batch, p, grad, group_id)
+        super()._add_to_batch(batch, p, grad, group_id, **tensors)
         layout = self._layout(p)
         self._batch_layouts.append((self._factor_slots[p], layout.experts, layout.rows,
                                     layout.cols, layout.momentum))
