@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from pagedoptim import paging, state_format
+from pagedoptim import compiled_step, paging, state_format
 from pagedoptim._native import native
 from pagedoptim.options import PagingOptions
 from pagedoptim.state_format import Moment, StreamSpec
@@ -155,6 +155,10 @@ class PagedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if torch.compiler.is_compiling():
+            # The engine is opaque to the compiler: the step becomes one custom op.
+            compiled_step.step_under_compile(self)
+            return loss
         batch = _StepBatch()
         batch.amp = self._amp_arguments() if self._step_supports_amp_scaling else {}
         for group_id, group in enumerate(self.param_groups):

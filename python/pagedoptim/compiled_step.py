@@ -1,0 +1,165 @@
+"""The optimizer step under torch.compile: one registered custom op, opaque to Dynamo.
+
+The native engine is a Python object that Dynamo cannot trace (a pybind11 class), and the
+eager step's bookkeeping (engine creation, slot registration, hyperparameter validation)
+would graph-break and recompile once per parameter. Under torch.compile the step therefore
+becomes one call of `pagedoptim::step_params_`, whose arguments are only what a graph can
+carry:
+
+- optimizer_id: an int naming the optimizer in a registry (a custom op cannot take the
+  optimizer or its engine);
+- params, grads, steps: the params with a gradient, their gradients and their step
+  counters (`state[p]['step']`), as Tensor lists; params and steps are declared mutated, so
+  the compiler orders every read of them after the op;
+- positions: each param's index among the optimizer's params, to find its state.
+
+The hyperparameters are not arguments: the op reads them from `param_groups` when it runs,
+exactly as the eager step does. Dynamo never sees `group['lr']`, so an LR scheduler that
+changes it every step causes no recompile (a float read by traced code is guarded as a
+constant, and each new value would recompile).
+
+What Dynamo traces is `step_under_compile`: a loop over the param groups reached through a
+plan object (not through `optimizer.param_groups`: reading that attribute of an optimizer
+makes Dynamo guard on every value of every group, lr included). The plan is made by
+`_prepare`, which Dynamo runs eagerly while it traces (`assume_constant_result`), so the
+step counters a first step creates exist before the graph is built and the second call
+finds its guards still true. The engine itself is created when the op first runs, by the
+eager code.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any, Optional
+
+import torch
+
+OP_NAME = "pagedoptim::step_params_"
+
+_next_id = itertools.count(1)
+_optimizers: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+_ids: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+
+class _CompiledPlan:
+    """What the traced step reads from an optimizer: its live param_groups list and the step
+    counters of its params, by position (None until the param first has a gradient).
+
+    The traced code iterates this plan's `param_groups`, the optimizer's own list, so Dynamo
+    guards the list's length and each group's params (add_param_group retraces) but not the
+    other values of the groups."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.param_groups = optimizer.param_groups
+        self.steps: list[Optional[torch.Tensor]] = [None] * len(optimizer._indexed_params())
+
+    def describes(self, optimizer: Any) -> bool:
+        return (self.param_groups is optimizer.param_groups
+                and len(self.steps) == len(optimizer._indexed_params()))
+
+
+def _forget_plan(optimizer: Any) -> None:
+    """load_state_dict replaces the step counters: the next call must trace again."""
+    optimizer._compiled_plan = None
+
+
+def _registered_id(optimizer: Any) -> int:
+    optimizer_id = _ids.get(optimizer)
+    if optimizer_id is None:
+        optimizer_id = next(_next_id)
+        _ids[optimizer] = optimizer_id
+        _optimizers[optimizer_id] = optimizer
+        optimizer.register_load_state_dict_post_hook(_forget_plan)
+    return optimizer_id
+
+
+@torch.compiler.assume_constant_result
+def _prepare(optimizer: Any) -> int:
+    """Runs eagerly while Dynamo traces the step (and on every retrace): registers the
+    optimizer, refreshes its plan and creates the step counters of the params that have a
+    gradient, as the eager step would. Returns the optimizer's registry id."""
+    optimizer_id = _registered_id(optimizer)
+    plan = getattr(optimizer, "_compiled_plan", None)
+    if plan is None or not plan.describes(optimizer):
+        plan = _CompiledPlan(optimizer)
+        optimizer._compiled_plan = plan
+    for position, p in enumerate(optimizer._indexed_params()):
+        if p.grad is not None:
+            plan.steps[position] = optimizer._step_counter(p)
+    return optimizer_id
+
+
+def step_under_compile(optimizer: Any) -> None:
+    """The step as Dynamo traces it: gather the tensors, make one custom-op call."""
+    optimizer_id = _prepare(optimizer)
+    plan = optimizer._compiled_plan
+    params, grads, steps, positions = [], [], [], []
+    position = 0
+    for group in plan.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                params.append(p)
+                grads.append(p.grad)
+                steps.append(plan.steps[position])
+                positions.append(position)
+            position += 1
+    if params:
+        step_params_(optimizer_id, params, grads, steps, positions)
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=("params", "steps"))
+def step_params_(optimizer_id: int, params: list[torch.Tensor], grads: list[torch.Tensor],
+                 steps: list[torch.Tensor], positions: list[int]) -> None:
+    """One optimizer step of the registered optimizer `optimizer_id` over `params`.
+
+    The tensors may be the optimizer's own or, where the compiler does not update in
+    place, functional copies of them: the step updates the tensors it is given, and finds
+    each one's state through its position among the optimizer's params."""
+    from pagedoptim.optimizer import _StepBatch  # optimizer.py imports this module
+
+    optimizer = _optimizers.get(optimizer_id)
+    if optimizer is None:
+        raise RuntimeError(f"{OP_NAME}: no live pagedoptim optimizer has id {optimizer_id} "
+                           "(the op is called by a compiled optimizer.step())")
+    counts = {len(params), len(grads), len(steps), len(positions)}
+    if len(counts) != 1:
+        raise ValueError(f"{OP_NAME}: params, grads, steps and positions must have one entry "
+                         f"per param, got {len(params)}, {len(grads)}, {len(steps)} and "
+                         f"{len(positions)}")
+    owners = optimizer._indexed_params()
+    for param, position in zip(params, positions):
+        _check_stands_for(param, position, owners)
+    group_ids = [group_id for group_id, group in enumerate(optimizer.param_groups)
+                 for _ in group["params"]]
+    # The eager step's batch, over the op's tensors: hyperparameters and GradScaler's
+    # arguments are read now, as optimizer.step() reads them.
+    batch = _StepBatch()
+    batch.amp = optimizer._amp_arguments() if optimizer._step_supports_amp_scaling else {}
+    batch.hyperparameters = [optimizer._group_hyperparameters(group)
+                             for group in optimizer.param_groups]
+    for param, grad, step, position in zip(params, grads, steps, positions):
+        optimizer._add_to_batch(batch, owners[position], grad, group_ids[position],
+                                target=param, step=step)
+    optimizer._run(batch)
+
+
+def _check_stands_for(param: torch.Tensor, position: int, owners: list[torch.Tensor]) -> None:
+    """The op's tensor for `position` must be that param or a copy of it: the engine writes
+    as many elements as the param's state has."""
+    if not 0 <= position < len(owners):
+        raise IndexError(f"{OP_NAME}: position {position} is out of range for an optimizer "
+                         f"of {len(owners)} params")
+    owner = owners[position]
+    if (param.shape, param.dtype, param.device) != (owner.shape, owner.dtype, owner.device):
+        raise ValueError(f"{OP_NAME}: the tensor for param {position} has shape "
+                         f"{tuple(param.shape)}, {param.dtype} on {param.device}; the param has "
+                         f"shape {tuple(owner.shape)}, {owner.dtype} on {owner.device}")
+
+
+@step_params_.register_fake
+def _step_params_fake(optimizer_id: int, params: list[torch.Tensor],
+                      grads: list[torch.Tensor], steps: list[torch.Tensor],
+                      positions: list[int]) -> None:
+    """Writes only its mutated arguments in place, so there is nothing to describe."""
+    return None
