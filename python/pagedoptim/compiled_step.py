@@ -11,7 +11,10 @@ carry:
 - params, grads, steps: the params with a gradient, their gradients and their step
   counters (`state[p]['step']`), as Tensor lists; params and steps are declared mutated, so
   the compiler orders every read of them after the op;
-- positions: each param's index among the optimizer's params, to find its state.
+- positions: each param's index among the optimizer's params, to find its state;
+- found_inf, grad_scale: GradScaler's tensors where the step takes them (CUDA state).
+  GradScaler sets them on the optimizer just before step(); inside a compiled region that
+  assignment is replayed only after the graph, so the op must be handed them.
 
 The hyperparameters are not arguments: the op reads them from `param_groups` when it runs,
 exactly as the eager step does. Dynamo never sees `group['lr']`, so an LR scheduler that
@@ -53,6 +56,9 @@ class _CompiledPlan:
     def __init__(self, optimizer: Any) -> None:
         self.param_groups = optimizer.param_groups
         self.steps: list[Optional[torch.Tensor]] = [None] * len(optimizer._indexed_params())
+        # Fixed by where the state lives (read eagerly: the traced code must not look at the
+        # engine, which the first run of the op creates).
+        self.amp_scaling = bool(optimizer._step_supports_amp_scaling)
 
     def describes(self, optimizer: Any) -> bool:
         return (self.param_groups is optimizer.param_groups
@@ -104,13 +110,25 @@ def step_under_compile(optimizer: Any) -> None:
                 steps.append(plan.steps[position])
                 positions.append(position)
             position += 1
+    found_inf = grad_scale = None
+    if plan.amp_scaling:
+        found_inf = _as_optional_tensor(getattr(optimizer, "found_inf", None))
+        grad_scale = _as_optional_tensor(getattr(optimizer, "grad_scale", None))
     if params:
-        step_params_(optimizer_id, params, grads, steps, positions)
+        step_params_(optimizer_id, params, grads, steps, positions, found_inf, grad_scale)
+
+
+def _as_optional_tensor(value: Any) -> Optional[torch.Tensor]:
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    return torch.tensor(float(value))
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=("params", "steps"))
 def step_params_(optimizer_id: int, params: list[torch.Tensor], grads: list[torch.Tensor],
-                 steps: list[torch.Tensor], positions: list[int]) -> None:
+                 steps: list[torch.Tensor], positions: list[int],
+                 found_inf: Optional[torch.Tensor] = None,
+                 grad_scale: Optional[torch.Tensor] = None) -> None:
     """One optimizer step of the registered optimizer `optimizer_id` over `params`.
 
     The tensors may be the optimizer's own or, where the compiler does not update in
@@ -132,10 +150,11 @@ def step_params_(optimizer_id: int, params: list[torch.Tensor], grads: list[torc
         _check_stands_for(param, position, owners)
     group_ids = [group_id for group_id, group in enumerate(optimizer.param_groups)
                  for _ in group["params"]]
-    # The eager step's batch, over the op's tensors: hyperparameters and GradScaler's
-    # arguments are read now, as optimizer.step() reads them.
+    # The eager step's batch, over the op's tensors; the hyperparameters are read now, as
+    # optimizer.step() reads them.
     batch = _StepBatch()
-    batch.amp = optimizer._amp_arguments() if optimizer._step_supports_amp_scaling else {}
+    batch.amp = (optimizer._amp_arguments({"found_inf": found_inf, "grad_scale": grad_scale})
+                 if optimizer._step_supports_amp_scaling else {})
     batch.hyperparameters = [optimizer._group_hyperparameters(group)
                              for group in optimizer.param_groups]
     for param, grad, step, position in zip(params, grads, steps, positions):
@@ -160,6 +179,7 @@ def _check_stands_for(param: torch.Tensor, position: int, owners: list[torch.Ten
 @step_params_.register_fake
 def _step_params_fake(optimizer_id: int, params: list[torch.Tensor],
                       grads: list[torch.Tensor], steps: list[torch.Tensor],
-                      positions: list[int]) -> None:
+                      positions: list[int], found_inf: Optional[torch.Tensor] = None,
+                      grad_scale: Optional[torch.Tensor] = None) -> None:
     """Writes only its mutated arguments in place, so there is nothing to describe."""
     return None

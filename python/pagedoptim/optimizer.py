@@ -133,12 +133,13 @@ class PagedOptimizer(torch.optim.Optimizer):
         params = self._indexed_params()
         return params[0].device if params else None
 
-    def _amp_arguments(self) -> dict[str, torch.Tensor]:
+    def _amp_arguments(self, given: Optional[dict[str, Any]] = None) -> dict[str, torch.Tensor]:
         """GradScaler's found_inf / grad_scale for this step (set on the optimizer by
-        GradScaler.step), moved to the params' device without waiting."""
+        GradScaler.step, or `given`: what a compiled step passed its custom op), moved to
+        the params' device without waiting."""
         amp: dict[str, torch.Tensor] = {}
         for name in ("found_inf", "grad_scale"):
-            value = getattr(self, name, None)
+            value = getattr(self, name, None) if given is None else given.get(name)
             if value is None:
                 continue
             if not isinstance(value, torch.Tensor):

@@ -328,3 +328,28 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.pagedoptim.step_params_.default, args,
                           test_utils=("test_schema", "test_faketensor",
                                       "test_autograd_registration"))
+
+
+class _ScaledAdamW(po.AdamW):
+    """Takes GradScaler's tensors as CUDA state does, on the CPU: the engine then refuses
+    them with its message, which shows that they reached it."""
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        return True
+
+
+def test_grad_scaler_tensors_reach_the_engine(fresh_dynamo):
+    """GradScaler.step sets found_inf and grad_scale on the optimizer just before step();
+    under compile the op takes them as arguments, never from a stale attribute."""
+    params = _make_params("adamw-8bit")
+    opt = _ScaledAdamW(params, lr=1e-2)
+    _set_grads(0, params)
+
+    def scaler_step():  # what GradScaler.step does around optimizer.step()
+        opt.found_inf, opt.grad_scale = torch.zeros(1), torch.full((1,), 1024.0)
+        opt.step()
+        del opt.found_inf, opt.grad_scale
+
+    with pytest.raises(ValueError, match="found_inf and grad_scale are taken by steps of CUDA"):
+        torch.compile(scaler_step, fullgraph=True)()
