@@ -194,8 +194,8 @@ def _model(seed: int) -> torch.nn.Module:
 def test_compiled_training_step_compiles_once(kind, fresh_dynamo):
     """(c) @torch.compile over forward, backward, opt.step() and opt.zero_grad(): Dynamo
     breaks the graph at backward() and at zero_grad() (torch disables Dynamo there), so it
-    makes two graphs (forward+loss, step) and 6 frames, all on the first call; the next
-    calls add none. Losses, params and state are bit-identical to the eager loop."""
+    makes two graphs (forward+loss, step), all on the first call: later calls add no graph
+    and no frame. Losses, params and state are bit-identical to the eager loop."""
     compiled_model, eager_model = _model(0), _model(0)
     compiled_opt = OPTIMIZERS[kind](list(compiled_model.parameters()))
     eager_opt = OPTIMIZERS[_UNPAGED_TWIN.get(kind, kind)](list(eager_model.parameters()))
