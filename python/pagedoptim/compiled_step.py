@@ -56,9 +56,9 @@ class _CompiledPlan:
     def __init__(self, optimizer: Any) -> None:
         self.param_groups = optimizer.param_groups
         self.steps: list[Optional[torch.Tensor]] = [None] * len(optimizer._indexed_params())
-        # Fixed by where the state lives (read eagerly: the traced code must not look at the
-        # engine, which the first run of the op creates).
-        self.amp_scaling = bool(optimizer._step_supports_amp_scaling)
+        # Whether the step takes GradScaler's tensors: set by _prepare, because the traced
+        # code must not look at the engine (the first run of the op creates it).
+        self.amp_scaling = False
 
     def describes(self, optimizer: Any) -> bool:
         return (self.param_groups is optimizer.param_groups
@@ -90,6 +90,7 @@ def _prepare(optimizer: Any) -> int:
     if plan is None or not plan.describes(optimizer):
         plan = _CompiledPlan(optimizer)
         optimizer._compiled_plan = plan
+    plan.amp_scaling = bool(optimizer._step_supports_amp_scaling)
     for position, p in enumerate(optimizer._indexed_params()):
         if p.grad is not None:
             plan.steps[position] = optimizer._step_counter(p)
