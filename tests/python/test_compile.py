@@ -311,6 +311,12 @@ def test_op_rejects_arguments_that_do_not_fit():
     with pytest.raises(ValueError, match="the tensor for param 1"):
         torch.ops.pagedoptim.step_params_(optimizer_id, [params[0]], [params[0].grad],
                                           [torch.zeros(())], [1])
+    with pytest.raises(ValueError, match="grad"):
+        torch.ops.pagedoptim.step_params_(optimizer_id, [params[1]], [torch.zeros(3)],
+                                          [torch.zeros(())], [1])
+    with pytest.raises(ValueError, match="step counter"):
+        torch.ops.pagedoptim.step_params_(optimizer_id, [params[1]], [params[1].grad],
+                                          [torch.zeros((), dtype=torch.int64)], [1])
 
 
 def test_opcheck():
