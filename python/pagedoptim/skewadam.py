@@ -24,6 +24,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import torch
 
 from pagedoptim import state_format
+from pagedoptim import torch_flags
 from pagedoptim._validation import check_betas, check_non_negative
 from pagedoptim.optimizer import PagedOptimizer
 from pagedoptim.options import PagingOptions
@@ -68,6 +69,9 @@ def layout_of(p: torch.Tensor, tier: str) -> ParamLayout:
 
 
 def check_param_for_tier(p: torch.Tensor, tier: str, where: str) -> None:
+    if p.is_complex():
+        raise ValueError(f"{where} is complex ({p.dtype}); SkewAdam's factored statistics are "
+                         "for real params (pagedoptim.AdamW takes complex params)")
     if p.dim() > 3:
         raise ValueError(f"{where} has {p.dim()} dimensions; SkewAdam takes 0-D to 2-D "
                          "parameters and [experts, rows, cols] expert tensors")
@@ -106,12 +110,18 @@ class SkewAdam(PagedOptimizer):
         offload: Optional[str] = None,
         nvme_dir: Optional[str] = None,
         cache_bytes: Optional[int] = None,
-        page_bytes: int = 2 << 20,
+        page_bytes: Optional[int] = None,
         prefetch: int = 4,
         policy: str = "auto",
         release_grads: bool = False,
+        foreach: Optional[bool] = None,
+        fused: Optional[bool] = None,
+        capturable: bool = False,
+        differentiable: bool = False,
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        defaults.update(torch_flags.check_flags(
+            type(self).__name__, foreach, fused, capturable, differentiable))
         self._check_group(defaults)
         self._tier_patterns = compile_tier_patterns(tiers)
         self._factor_slots: dict[torch.Tensor, int] = {}
@@ -229,9 +239,6 @@ class SkewAdam(PagedOptimizer):
                       group_id: int) -> None:
         if not batch.params:
             self._batch_layouts = []
-        if grad.shape != p.shape:
-            raise ValueError(f"grad of shape {tuple(grad.shape)} does not match its param of "
-                             f"shape {tuple(p.shape)}")
         super()._add_to_batch(batch, p, grad, group_id)
         layout = self._layout(p)
         self._batch_layouts.append((self._factor_slots[p], layout.experts, layout.rows,
@@ -253,22 +260,70 @@ class SkewAdam(PagedOptimizer):
     def _state_stream_names(self) -> set[str]:
         return super()._state_stream_names() | {ROW, COL}
 
-    def _gather_streams(self) -> dict[int, dict[str, torch.Tensor]]:
-        gathered = super()._gather_streams()
-        if self._engine is None:
-            return gathered
-        for index, p in enumerate(self._indexed_params()):
-            slot = self._factor_slots.get(p, -1)
-            if slot < 0:
-                continue
+    def _state_stream_keys(self, p: torch.Tensor) -> list[str]:
+        keys = super()._state_stream_keys(p)
+        if self._engine is not None and self._factor_slots.get(p, -1) >= 0:
+            keys += [ROW, COL]
+        return keys
+
+    def _factors(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row and column means of p's factored second moment (new tensors), each
+        [experts, n] for a 3-D expert tensor and flat otherwise."""
+        layout = self._layout(p)
+        values = self._engine.read_stream(self._factor_slots[p], FACTORS).view(torch.float32)
+        split = layout.experts * layout.rows
+        row, col = values[:split], values[split:]
+        if p.dim() == 3:
+            row, col = row.view(layout.experts, -1), col.view(layout.experts, -1)
+        return row, col
+
+    def _read_state_tensor(self, p: torch.Tensor, key: str) -> torch.Tensor:
+        if key in (ROW, COL):
+            row, col = self._factors(p)
+            return row if key == ROW else col
+        return super()._read_state_tensor(p, key)
+
+    def _write_state_tensor(self, p: torch.Tensor, key: str, value: torch.Tensor) -> None:
+        if key not in (ROW, COL):
+            super()._write_state_tensor(p, key, value)
+            return
+        self._slot(p)
+        if self._factor_slots.get(p, -1) < 0:
+            raise ValueError(f"optimizer.state[param][{key!r}]: this param's "
+                             f"'{self._layout(p).tier}' tier keeps no factored second moment")
+        row, col = self._factors(p)
+        given = {ROW: row, COL: col, key: value}
+        self._write_factors(p, given[ROW], given[COL], f"optimizer.state[param][{key!r}]")
+
+    def _write_factors(self, p: torch.Tensor, row: torch.Tensor, col: torch.Tensor,
+                       where: str) -> None:
+        layout = self._layout(p)
+        if (row.numel() != layout.experts * layout.rows
+                or col.numel() != layout.experts * layout.cols):
+            raise ValueError(f"{where}: '{ROW}' / '{COL}' have {row.numel()} / {col.numel()} "
+                             f"elements, expected {layout.experts * layout.rows} / "
+                             f"{layout.experts * layout.cols}")
+        values = torch.cat([row.detach().reshape(-1).cpu(), col.detach().reshape(-1).cpu()])
+        raw = values.to(dtype=torch.float32).contiguous()
+        self._engine.write_stream(self._factor_slots[p], FACTORS, raw.view(torch.uint8))
+
+    def _reset_param_state(self, p: torch.Tensor) -> None:
+        super()._reset_param_state(p)
+        slot = self._factor_slots.get(p, -1) if self._engine is not None else -1
+        if slot >= 0:
+            size = self._engine.stream_bytes(slot, FACTORS)
+            self._engine.write_stream(slot, FACTORS, torch.zeros(size, dtype=torch.uint8))
+
+    def _planned_state(self) -> list[tuple[int, int]]:
+        planned = super()._planned_state()
+        for p in dict.fromkeys(self._indexed_params()):
             layout = self._layout(p)
-            values = self._engine.read_stream(slot, FACTORS).view(torch.float32)
-            split = layout.experts * layout.rows
-            row, col = values[:split], values[split:]
-            if p.dim() == 3:
-                row, col = row.view(layout.experts, -1), col.view(layout.experts, -1)
-            gathered.setdefault(index, {}).update({ROW: row, COL: col})
-        return gathered
+            if layout.factored:
+                planned.append((_FACTOR_KIND, layout.factor_numel))
+        return planned
+
+    def _on_groups_loaded(self) -> None:
+        self._layouts = None
 
     def _scatter_streams(self, streams: dict[int, dict[str, torch.Tensor]]) -> None:
         self._factor_slots = {}
@@ -280,35 +335,23 @@ class SkewAdam(PagedOptimizer):
         for index in sorted(streams):
             p = params[index]
             self._slot(p)
-            slot = self._factor_slots[p]
-            if slot < 0:
+            if self._factor_slots[p] < 0:
                 continue
-            layout = self._layout(p)
             given = streams[index]
             if ROW not in given or COL not in given:
                 raise ValueError(f"state for param {index} has no '{ROW}' / '{COL}': its "
-                                 f"'{layout.tier}' tier keeps a factored second moment")
-            row, col = given[ROW], given[COL]
-            if (row.numel() != layout.experts * layout.rows
-                    or col.numel() != layout.experts * layout.cols):
-                raise ValueError(f"state '{ROW}' / '{COL}' of param {index} has "
-                                 f"{row.numel()} / {col.numel()} elements, expected "
-                                 f"{layout.experts * layout.rows} / "
-                                 f"{layout.experts * layout.cols}")
-            values = torch.cat([row.detach().reshape(-1), col.detach().reshape(-1)])
-            raw = values.to(device="cpu", dtype=torch.float32).contiguous()
-            self._engine.write_stream(slot, FACTORS, raw.view(torch.uint8))
+                                 f"'{self._layout(p).tier}' tier keeps a factored second "
+                                 "moment")
+            self._write_factors(p, given[ROW], given[COL], f"state for param {index}")
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "_tier_patterns": self._tier_patterns}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
-        if "_tier_patterns" in state:
-            # A copy: the base class rebuilds the engine from the saved streams, which needs
-            # these before it runs.
-            self._tier_patterns = state.pop("_tier_patterns")
-            self._batch_layouts = []
+        # The base class rebuilds the engine from the saved streams, which needs these.
+        self._tier_patterns = state.pop("_tier_patterns")
+        self._batch_layouts = []
         self._factor_slots = {}
         self._layouts = None
         super().__setstate__(state)
@@ -336,7 +379,7 @@ class SkewAdam(PagedOptimizer):
                 factor_bytes = self._engine.stream_bytes(factor_slot, FACTORS)
                 factor_total += factor_bytes
                 state_bytes += factor_bytes
-            if "step" in self.state.get(p, {}):
+            if "step" in self.state.get(p, {}):  # dict.get: no entry is made for p
                 state_bytes += 4
             params[name] = {"tier": layout.tier, "shape": tuple(p.shape),
                             "second_moment": "factored" if layout.factored else "exact",
