@@ -121,31 +121,39 @@ def _evidence(state_dict: Mapping) -> str:
     return f"it has param_groups keys {group_keys} and state keys {state_keys}"
 
 
-def check_algorithm(expected: str, state_dict: Any, optimizer_name: str) -> None:
-    """Raises ValueError unless `state_dict` may be loaded by an optimizer of kind `expected`
-    (one of KINDS) called `optimizer_name` in the message; a bare class name ('AdamW') is
-    shown as pagedoptim's ('pagedoptim.AdamW'), so it is not taken for torch's.
+def algorithm_mismatch(expected: str, state_dict: Any) -> Optional[str]:
+    """Why an optimizer of kind `expected` (one of KINDS) must not load `state_dict`, as a
+    sentence about the state_dict; None when it may.
 
     A state_dict whose algorithm cannot be told is let through. A torch.optim.Adam
-    state_dict loads into AdamW only where no group has weight decay: there the two
-    algorithms are the same, elsewhere Adam's decay is an L2 term added to the gradient
-    (it passes through the moments), AdamW's is applied to the weight directly.
+    state_dict suits AdamW only where no group has weight decay: there the two algorithms
+    are the same; elsewhere Adam's decay is an L2 term added to the gradient (it passes
+    through the moments), AdamW's is applied to the weight directly.
     """
     if expected not in KINDS:
         raise ValueError(f"expected must be one of {list(KINDS)}, got {expected!r}")
     saved_by = identify_algorithm(state_dict)
-    if "." not in optimizer_name:
-        optimizer_name = f"pagedoptim.{optimizer_name}"
     if saved_by is None or saved_by == expected:
-        return
+        return None
     if saved_by == ADAM and expected == ADAMW:
         if not _has_weight_decay(state_dict):
-            return
-        raise ValueError(
-            f"this state_dict was saved by torch.optim.Adam with weight_decay != 0 "
-            f"(decoupled_weight_decay=False: an L2 term added to the gradient); "
-            f"{optimizer_name} decays the weight directly (AdamW), a different algorithm, so "
-            f"it cannot load it. Set weight_decay=0 in the checkpoint's groups to accept "
-            f"the change, or resume with torch.optim.Adam")
-    raise ValueError(f"this state_dict was saved by {_SAVED_BY[saved_by]} "
-                     f"({_evidence(state_dict)}); {optimizer_name} cannot load it")
+            return None
+        return ("this state_dict was saved by torch.optim.Adam with weight_decay != 0 "
+                "(decoupled_weight_decay=False: an L2 term added to the gradient), which "
+                "AdamW would apply to the weight directly instead, a different algorithm "
+                "(set weight_decay=0 in its param_groups to accept the change, or resume "
+                "with torch.optim.Adam)")
+    return f"this state_dict was saved by {_SAVED_BY[saved_by]} ({_evidence(state_dict)})"
+
+
+def check_algorithm(expected: str, state_dict: Any, optimizer_name: str) -> None:
+    """Raises ValueError unless an optimizer of kind `expected` (one of KINDS) may load
+    `state_dict` (see algorithm_mismatch). `optimizer_name` names it in the message; a bare
+    class name ('AdamW') is shown as pagedoptim's ('pagedoptim.AdamW'), so it is not taken
+    for torch's.
+    """
+    mismatch = algorithm_mismatch(expected, state_dict)
+    if mismatch is not None:
+        if "." not in optimizer_name:
+            optimizer_name = f"pagedoptim.{optimizer_name}"
+        raise ValueError(f"{mismatch}; {optimizer_name} cannot load it")

@@ -82,8 +82,8 @@ def test_check_algorithm_refuses_every_other_algorithm(saver, loader):
     if compatible:
         check_algorithm(loader, state_dict, CLASS_NAME[loader])
         return
-    with pytest.raises(ValueError, match=rf"saved by .*pagedoptim\.{CLASS_NAME[loader]}"
-                                         r".*cannot load it"):
+    with pytest.raises(ValueError, match=rf"saved by .*; pagedoptim\.{CLASS_NAME[loader]} "
+                                         r"cannot load it"):
         check_algorithm(loader, state_dict, CLASS_NAME[loader])
 
 
@@ -91,7 +91,7 @@ def test_adam_with_weight_decay_is_refused_by_adamw_and_says_why():
     """torch.optim.Adam's weight decay is L2 through the moments, AdamW's decays the weight:
     resuming one as the other would silently change training. Without decay they agree."""
     with pytest.raises(ValueError, match=r"torch\.optim\.Adam with weight_decay != 0.*"
-                                         r"pagedoptim\.AdamW decays the weight directly"):
+                                         r"a different algorithm.*; pagedoptim\.AdamW cannot"):
         check_algorithm("adamw", saved_state_dict("torch.Adam-decay"), "AdamW")
     check_algorithm("adamw", saved_state_dict("torch.Adam"), "AdamW")
 
