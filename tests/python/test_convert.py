@@ -1,15 +1,23 @@
-"""Converting optimizer state_dicts: pagedoptim's 8-bit state to torch.optim's format and
-back, checked against torch's own optimizers (the converted state must step in
-torch.optim.AdamW / SGD as ours steps in exact mode), and bad input."""
+"""`python -m pagedoptim convert` and the conversions behind it: pagedoptim's 8-bit state to
+torch.optim's format and back, checked against torch's own optimizers (the converted state
+must step in torch.optim.AdamW / SGD as ours steps in exact mode), the CLI end to end as a
+subprocess, and bad input (clear errors, never a partial output file)."""
 
 import copy
+import os
+import pathlib
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import pagedoptim as po
 from conftest import (Grads, assert_state_equal, clone_params, make_params, run_lockstep,
-                      run_steps)
+                      run_steps, set_grads)
+from pagedoptim import convert
+from pagedoptim.__main__ import main
 from pagedoptim.checkpoint_conversion import (AlreadyInTargetFormat, to_pagedoptim_format,
                                               to_torch_format)
 
@@ -29,6 +37,7 @@ CASES = {
     "SkewAdam": (lambda ps, **kw: po.SkewAdam(ps, lr=1e-3, **kw), "skewadam", None),
 }
 TORCH_CASES = [name for name, case in CASES.items() if case[2] is not None]
+PACKAGE_PARENT = pathlib.Path(po.__file__).resolve().parents[1]
 
 
 def trained(case, dtype=torch.float32, **options):
@@ -173,3 +182,146 @@ def test_bad_arguments_are_named():
         to_pagedoptim_format(opt.state_dict(), "adamw", 16)
     with pytest.raises(ValueError, match="state_dict must be an optimizer state_dict"):
         to_torch_format({"model": {}}, "adamw")
+
+
+# -- the command line ------------------------------------------------------------------------
+
+
+def run_cli(*args):
+    """`python -m pagedoptim convert ...` as users run it, on this pagedoptim."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(PACKAGE_PARENT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    return subprocess.run([sys.executable, "-m", "pagedoptim", "convert", *map(str, args)],
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_cli_converts_a_training_checkpoint_to_torch_and_back(tmp_path):
+    """A checkpoint holding model and optimizer: --to torch keeps everything but the
+    optimizer state, which torch.optim.AdamW then loads and steps; --to pagedoptim brings
+    back the 8-bit state bit for bit."""
+    params, opt = trained("AdamW")
+    checkpoint = {"model": {"w": params[3].detach()}, "optimizer": opt.state_dict(), "epoch": 3}
+    ours_path, torch_path, back_path = (tmp_path / "ours.pt", tmp_path / "torch.pt",
+                                        tmp_path / "back.pt")
+    torch.save(checkpoint, ours_path)
+
+    result = run_cli(ours_path, torch_path, "--to", "torch")
+    assert result.returncode == 0, result.stderr
+    assert "adamw" in result.stdout
+    loaded = torch.load(torch_path, weights_only=True)
+    assert loaded["epoch"] == 3 and torch.equal(loaded["model"]["w"], params[3])
+    assert_state_equal(tensors_of(loaded["optimizer"]), tensors_of(opt.torch_state_dict()),
+                       "--to torch")
+    theirs_params = clone_params(params)
+    theirs = torch.optim.AdamW(theirs_params, lr=1e-2, weight_decay=0.1)
+    theirs.load_state_dict(loaded["optimizer"])
+    set_grads(theirs_params, Grads(SHAPES, 1)[0])
+    theirs.step()
+    assert all(torch.isfinite(p).all() for p in theirs_params)
+
+    result = run_cli(torch_path, back_path, "--to", "pagedoptim", "--state-bits", "8")
+    assert result.returncode == 0, result.stderr
+    back = torch.load(back_path, weights_only=True)
+    assert_state_equal(tensors_of(back["optimizer"]), tensors_of(checkpoint["optimizer"]),
+                       "--to pagedoptim")
+
+
+def test_cli_converts_a_torch_sgd_state_dict_file_to_8bit(tmp_path):
+    """The file is the state_dict itself (as HF Trainer's optimizer.pt); the algorithm is
+    read from it; pagedoptim.SGD loads the result and steps."""
+    params, theirs = trained_torch("SGD")
+    torch.save(theirs.state_dict(), tmp_path / "optimizer.pt")
+    result = run_cli(tmp_path / "optimizer.pt", tmp_path / "out.pt", "--to", "pagedoptim",
+                     "--state-bits", "8")
+    assert result.returncode == 0, result.stderr
+    ours = CASES["SGD"][0](params)
+    ours.load_state_dict(torch.load(tmp_path / "out.pt", weights_only=True))
+    set_grads(params, Grads(SHAPES, 1)[0])
+    ours.step()
+    assert "momentum_buffer_codes" in ours.state_dict()["state"][0]
+
+
+def test_cli_already_in_target_format_writes_nothing_and_exits_3(tmp_path):
+    _, theirs = trained_torch("AdamW")
+    torch.save(theirs.state_dict(), tmp_path / "optimizer.pt")
+    result = run_cli(tmp_path / "optimizer.pt", tmp_path / "out.pt", "--to", "torch")
+    assert result.returncode == convert.EXIT_ALREADY_IN_TARGET_FORMAT == 3
+    assert "already in torch.optim's format" in result.stderr
+    assert not (tmp_path / "out.pt").exists()
+
+
+def cli_error(capsys, *args):
+    """Runs the command in this process (fast); returns (exit status, stderr)."""
+    status = main(["convert", *map(str, args)])
+    return status, capsys.readouterr().err
+
+
+def save(tmp_path, obj, name="in.pt"):
+    torch.save(obj, tmp_path / name)
+    return tmp_path / name
+
+
+def test_cli_bad_inputs_are_clear_errors(tmp_path, capsys):
+    out = tmp_path / "out.pt"
+    _, opt = trained("AdamW")
+    ours = opt.state_dict()
+    cases = [
+        ((tmp_path / "missing.pt", out, "--to", "torch"), "INPUT .*missing.pt does not exist"),
+        ((tmp_path, out, "--to", "torch"), "is a directory"),
+        ((save(tmp_path, b"not a checkpoint", "bytes.pt"), out, "--to", "torch"),
+         "not an optimizer checkpoint: .*got bytes"),
+        ((save(tmp_path, {"model": {"w": torch.zeros(2)}}, "model.pt"), out, "--to", "torch"),
+         r"not an optimizer checkpoint: .*keys \['model'\]"),
+        ((save(tmp_path, {"a": ours, "b": ours}, "two.pt"), out, "--to", "torch"),
+         r"several optimizer state_dicts, under \['a', 'b'\]; choose one with --key"),
+        ((save(tmp_path, {"a": ours}, "one.pt"), out, "--to", "torch", "--key", "b"),
+         r"--key 'b': .* has no such key \(its keys: \['a'\]\)"),
+        ((save(tmp_path, ours, "ours.pt"), out, "--to", "pagedoptim"),
+         "--to pagedoptim needs --state-bits"),
+        ((save(tmp_path, ours, "ours.pt"), out, "--to", "torch", "--algorithm", "lion"),
+         "--algorithm lion does not fit .*saved by AdamW"),
+        ((save(tmp_path, {"state": {}, "param_groups": [{"params": [0], "lr": 1.0}]}, "bare.pt"),
+          out, "--to", "torch"), "cannot tell which optimizer saved .*pass --algorithm"),
+        ((save(tmp_path, ours, "ours.pt"), tmp_path / "no_dir" / "out.pt", "--to", "torch"),
+         "OUTPUT .* directory .*no_dir does not exist"),
+    ]
+    for args, message in cases:
+        status, err = cli_error(capsys, *args)
+        assert status == 1, (args, err)
+        assert err.startswith("error: ") and re.search(message, err), (
+            args, err)
+    assert not out.exists()
+
+
+def test_cli_refuses_a_file_that_would_run_code(tmp_path, capsys):
+    """weights_only=True: a pickled object outside torch's allowlist is refused, not run."""
+    status, err = cli_error(capsys, save(tmp_path, {"optimizer": pathlib.PurePath("x")}),
+                            tmp_path / "out.pt", "--to", "torch")
+    assert status == 1 and "torch.load(weights_only=True)" in err
+
+
+def test_cli_failed_write_keeps_the_old_output_and_leaves_no_temporary_file(tmp_path, capsys,
+                                                                             monkeypatch):
+    _, opt = trained("AdamW")
+    source = save(tmp_path, opt.state_dict())
+    out = tmp_path / "out.pt"
+    out.write_bytes(b"previous")
+
+    def save_half_then_fail(obj, handle):
+        handle.write(b"half a checkpoint")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(convert.torch, "save", save_half_then_fail)
+    status, err = cli_error(capsys, source, out, "--to", "torch")
+    assert status == 1 and "OUTPUT" in err and "No space left on device" in err
+    assert out.read_bytes() == b"previous"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt", "out.pt"]
+
+
+def test_cli_output_gets_a_new_files_mode(tmp_path, capsys):
+    _, opt = trained("AdamW")
+    status, _ = cli_error(capsys, save(tmp_path, opt.state_dict()), tmp_path / "out.pt",
+                          "--to", "torch")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert status == 0 and (tmp_path / "out.pt").stat().st_mode & 0o777 == 0o666 & ~umask
