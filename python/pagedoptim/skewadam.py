@@ -79,7 +79,7 @@ def check_param_for_tier(p: torch.Tensor, tier: str, where: str, named: bool) ->
             # A 3-D tensor is evidently an MoE model's, and then unnamed 2-D tensors are
             # ambiguous too: the router cannot be told from a dense weight by its shape.
             how = ("unnamed parameters (as Trainer passes them) cannot be put in tiers: pass "
-                   "model=model so the tiers come from model.named_parameters(), give "
+                   "names_from=model so the tiers come from model.named_parameters(), give "
                    "model.named_parameters() itself, or give each group a tier")
         raise ValueError(f"{where} is 3-D {tuple(p.shape)} but in tier '{tier}': only the "
                          f"'experts' tier takes [experts, rows, cols] tensors ({how})")
@@ -92,11 +92,12 @@ class SkewAdam(PagedOptimizer):
     names), plain parameters, or groups; a group may set tier='backbone'|'experts'|'router'
     for all of its parameters. tiers: None for the default name patterns, or a mapping
     {'router': patterns, 'experts': patterns} replacing them (pagedoptim.tiers).
-    model: the module the parameters belong to. Unnamed parameters (Trainer's and
+    names_from: the model the parameters belong to. Unnamed parameters (Trainer's and
     accelerate's groups of plain tensors) then take their names, and so their tiers, from
     model.named_parameters(), exactly as if those pairs had been given; a parameter the
-    model does not have raises. Without model=, unnamed parameters are backbone, and a 3-D
-    one raises (see check_param_for_tier).
+    model does not have raises. Without it, unnamed parameters are backbone, and a 3-D one
+    raises (see check_param_for_tier). (Not `model=`: Trainer takes a `model` keyword
+    argument as the optimizer's params, LOMO's convention, and drops it.)
     eps is added to g^2 (Adafactor's eps1, hence the tiny default), not to the denominator.
     """
 
@@ -113,7 +114,7 @@ class SkewAdam(PagedOptimizer):
         weight_decay: float = 0.0,
         *,
         tiers: Optional[Mapping[str, Any]] = None,
-        model: Optional[torch.nn.Module] = None,
+        names_from: Optional[torch.nn.Module] = None,
         state_bits: int = 8,
         master_bits: Optional[int] = 24,
         offload: Optional[str] = None,
@@ -127,7 +128,7 @@ class SkewAdam(PagedOptimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self._check_group(defaults)
         self._tier_patterns = compile_tier_patterns(tiers)
-        self._model_names = names_by_param(model)
+        self._model_names = names_by_param(names_from)
         self._factor_slots: dict[torch.Tensor, int] = {}
         self._layouts: Optional[dict[torch.Tensor, ParamLayout]] = None
         self._batch_layouts: list[tuple[int, int, int, int, bool]] = []
@@ -182,7 +183,7 @@ class SkewAdam(PagedOptimizer):
         self._layouts = None
 
     def _named_from_model(self, entries: list[Any]) -> list[Any]:
-        """The entries, with each unnamed parameter paired with its name in model=."""
+        """The entries, with each unnamed parameter paired with its name in names_from."""
         names = self._model_names
         if names is None:
             return entries
@@ -191,8 +192,8 @@ class SkewAdam(PagedOptimizer):
             if isinstance(entry, torch.Tensor):
                 if entry not in names:
                     raise ValueError(f"params[{index}] (shape {tuple(entry.shape)}) is not a "
-                                     "parameter of the module given as model=, so it has no "
-                                     "name to take its tier from: give it as a (name, param) "
+                                     "parameter of the module given as names_from=, so it has "
+                                     "no name to take its tier from: give it as a (name, param) "
                                      "pair or in a group with a tier")
                 entry = (names[entry], entry)
             named.append(entry)
@@ -331,7 +332,7 @@ class SkewAdam(PagedOptimizer):
             self._engine.write_stream(slot, FACTORS, raw.view(torch.uint8))
 
     def __getstate__(self) -> dict[str, Any]:
-        # model= is not kept: it named the parameters already in the groups.
+        # names_from is not kept: it named the parameters already in the groups.
         return {**super().__getstate__(), "_tier_patterns": self._tier_patterns}
 
     def __setstate__(self, state: dict[str, Any]) -> None:

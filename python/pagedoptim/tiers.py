@@ -10,7 +10,7 @@ for each (docs/skewadam.md):
   router    the gate that picks the experts, small and sensitive to noise
 
 A parameter's tier comes from its group's ``tier`` key when the group has one, otherwise
-from its name (``named_parameters()``, or SkewAdam's ``model=`` for parameters given
+from its name (``named_parameters()``, or SkewAdam's ``names_from=model`` for parameters given
 without names): the first tier, router then experts, with a pattern
 that ``re.search``-es the name; everything else is backbone. The defaults recognize the
 naming of transformers' Mixtral (``mlp.gate`` / ``block_sparse_moe.gate``,
@@ -95,7 +95,7 @@ def names_by_param(model: Optional[torch.nn.Module]) -> Optional[dict[torch.Tens
     if model is None:
         return None
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module (the model whose parameters are "
+        raise TypeError(f"names_from must be a torch.nn.Module (the model whose parameters are "
                         f"optimized), got {type(model).__name__}")
     # Tied weights appear once, under their first name, as in named_parameters().
     return {p: name for name, p in model.named_parameters()}
