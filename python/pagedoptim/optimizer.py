@@ -22,6 +22,7 @@ import torch
 
 from pagedoptim import paging, release_guard, state_format, torch_flags
 from pagedoptim._native import native
+from pagedoptim.checkpoint_algorithms import check_algorithm
 from pagedoptim.options import PagingOptions
 from pagedoptim.param_state import ParamState, StateMap
 from pagedoptim.state_format import Moment, StreamSpec
@@ -550,6 +551,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        check_algorithm(self._kind, state_dict, type(self).__name__)
         groups = self.param_groups
         saved_groups = copy.deepcopy(state_dict["param_groups"])
         if len(groups) != len(saved_groups):

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 _watched: "weakref.WeakSet[Any]" = weakref.WeakSet()
-_warned_about_norm = False
+_warned_about_norm: "weakref.WeakSet[Any]" = weakref.WeakSet()  # once per optimizer
 
 
 def watch(optimizer: Any) -> None:
@@ -50,19 +50,19 @@ def check_not_data_parallel() -> None:
             "gradient and the ranks would drift apart. Use release_grads=False")
 
 
-def _released_params() -> set[int]:
-    return {id(p) for optimizer in list(_watched)
-            for group in optimizer.param_groups for p in group["params"]}
+def _optimizers_of(parameters: list[torch.Tensor]) -> list[Any]:
+    given = {id(p) for p in parameters}
+    return [optimizer for optimizer in list(_watched)
+            if any(id(p) in given for group in optimizer.param_groups for p in group["params"])]
 
 
 def _check_clip(name: str, parameters: list[torch.Tensor], limit: float) -> None:
-    global _warned_about_norm
-    released = _released_params()
-    if not any(id(p) in released for p in parameters):
+    optimizers = _optimizers_of(parameters)
+    if not optimizers:
         return
     if math.isinf(limit):
-        if not _warned_about_norm:
-            _warned_about_norm = True
+        if any(optimizer not in _warned_about_norm for optimizer in optimizers):
+            _warned_about_norm.update(optimizers)
             warnings.warn(f"torch.nn.utils.{name} measured the gradient norm of parameters "
                           "whose optimizer has release_grads=True: their gradients are "
                           "freed inside backward, so the norm reads 0.0", RuntimeWarning,

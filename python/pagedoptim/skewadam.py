@@ -30,7 +30,7 @@ from pagedoptim.optimizer import PagedOptimizer
 from pagedoptim.options import PagingOptions
 from pagedoptim.state_format import Moment, StreamSpec
 from pagedoptim.tiers import (BACKBONE, EXPERTS, ROUTER, TIERS, check_tier,
-                              compile_tier_patterns, tier_of_name)
+                              compile_tier_patterns, names_by_param, tier_of_name)
 
 FACTORS = "exp_avg_sq_factors"
 ROW = "exp_avg_sq_row"
@@ -68,7 +68,7 @@ def layout_of(p: torch.Tensor, tier: str) -> ParamLayout:
     return ParamLayout(tier, True, momentum, int(experts), int(rows), int(cols))
 
 
-def check_param_for_tier(p: torch.Tensor, tier: str, where: str) -> None:
+def check_param_for_tier(p: torch.Tensor, tier: str, where: str, named: bool) -> None:
     if p.is_complex():
         raise ValueError(f"{where} is complex ({p.dtype}); SkewAdam's factored statistics are "
                          "for real params (pagedoptim.AdamW takes complex params)")
@@ -76,10 +76,17 @@ def check_param_for_tier(p: torch.Tensor, tier: str, where: str) -> None:
         raise ValueError(f"{where} has {p.dim()} dimensions; SkewAdam takes 0-D to 2-D "
                          "parameters and [experts, rows, cols] expert tensors")
     if p.dim() == 3 and tier != EXPERTS:
+        if named:
+            how = ("name it so the tier patterns see an 'experts' component, or give its "
+                   "group tier='experts'")
+        else:
+            # A 3-D tensor is evidently an MoE model's, and then unnamed 2-D tensors are
+            # ambiguous too: the router cannot be told from a dense weight by its shape.
+            how = ("unnamed parameters (as Trainer passes them) cannot be put in tiers: pass "
+                   "names_from=model so the tiers come from model.named_parameters(), give "
+                   "model.named_parameters() itself, or give each group a tier")
         raise ValueError(f"{where} is 3-D {tuple(p.shape)} but in tier '{tier}': only the "
-                         "'experts' tier takes [experts, rows, cols] tensors (name it so the "
-                         "tier patterns see an 'experts' component, or give its group "
-                         "tier='experts')")
+                         f"'experts' tier takes [experts, rows, cols] tensors ({how})")
 
 
 class SkewAdam(PagedOptimizer):
@@ -89,6 +96,12 @@ class SkewAdam(PagedOptimizer):
     names), plain parameters, or groups; a group may set tier='backbone'|'experts'|'router'
     for all of its parameters. tiers: None for the default name patterns, or a mapping
     {'router': patterns, 'experts': patterns} replacing them (pagedoptim.tiers).
+    names_from: the model the parameters belong to. Unnamed parameters (Trainer's and
+    accelerate's groups of plain tensors) then take their names, and so their tiers, from
+    model.named_parameters(), exactly as if those pairs had been given; a parameter the
+    model does not have raises. Without it, unnamed parameters are backbone, and a 3-D one
+    raises (see check_param_for_tier). (Not `model=`: Trainer takes a `model` keyword
+    argument as the optimizer's params, LOMO's convention, and drops it.)
     eps is added to g^2 (Adafactor's eps1, hence the tiny default), not to the denominator.
     """
 
@@ -105,6 +118,7 @@ class SkewAdam(PagedOptimizer):
         weight_decay: float = 0.0,
         *,
         tiers: Optional[Mapping[str, Any]] = None,
+        names_from: Optional[torch.nn.Module] = None,
         state_bits: int = 8,
         master_bits: Optional[int] = 24,
         offload: Optional[str] = None,
@@ -124,6 +138,7 @@ class SkewAdam(PagedOptimizer):
             type(self).__name__, foreach, fused, capturable, differentiable))
         self._check_group(defaults)
         self._tier_patterns = compile_tier_patterns(tiers)
+        self._model_names = names_by_param(names_from)
         self._factor_slots: dict[torch.Tensor, int] = {}
         self._layouts: Optional[dict[torch.Tensor, ParamLayout]] = None
         self._batch_layouts: list[tuple[int, int, int, int, bool]] = []
@@ -159,7 +174,7 @@ class SkewAdam(PagedOptimizer):
         entries = [params] if isinstance(params, torch.Tensor) else params
         resolved: list[str] = []
         if not isinstance(entries, (set, frozenset)):  # the base class rejects sets
-            entries = list(entries)
+            entries = self._named_from_model(list(entries))
             for index, entry in enumerate(entries):
                 name, p = entry if isinstance(entry, tuple) else (None, entry)
                 if explicit is not None:
@@ -170,12 +185,29 @@ class SkewAdam(PagedOptimizer):
                     tier = BACKBONE
                 if isinstance(p, torch.Tensor):
                     where = f"param '{name}'" if name is not None else f"params[{index}]"
-                    check_param_for_tier(p, tier, where)
+                    check_param_for_tier(p, tier, where, named=name is not None)
                 resolved.append(tier)
         super().add_param_group({**param_group, "params": entries})
         # Kept in the group, so state_dict() records which layout the state has.
         self.param_groups[-1]["param_tiers"] = resolved
         self._layouts = None
+
+    def _named_from_model(self, entries: list[Any]) -> list[Any]:
+        """The entries, with each unnamed parameter paired with its name in names_from."""
+        names = self._model_names
+        if names is None:
+            return entries
+        named = []
+        for index, entry in enumerate(entries):
+            if isinstance(entry, torch.Tensor):
+                if entry not in names:
+                    raise ValueError(f"params[{index}] (shape {tuple(entry.shape)}) is not a "
+                                     "parameter of the module given as names_from=, so it has "
+                                     "no name to take its tier from: give it as a (name, param) "
+                                     "pair or in a group with a tier")
+                entry = (names[entry], entry)
+            named.append(entry)
+        return named
 
     def _layout(self, p: torch.Tensor) -> ParamLayout:
         if self._layouts is None:
@@ -345,6 +377,7 @@ class SkewAdam(PagedOptimizer):
             self._write_factors(p, given[ROW], given[COL], f"state for param {index}")
 
     def __getstate__(self) -> dict[str, Any]:
+        # names_from is not kept: it named the parameters already in the groups.
         return {**super().__getstate__(), "_tier_patterns": self._tier_patterns}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -352,6 +385,7 @@ class SkewAdam(PagedOptimizer):
         # The base class rebuilds the engine from the saved streams, which needs these.
         self._tier_patterns = state.pop("_tier_patterns")
         self._batch_layouts = []
+        self._model_names = None
         self._factor_slots = {}
         self._layouts = None
         super().__setstate__(state)
