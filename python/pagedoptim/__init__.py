@@ -7,7 +7,8 @@ from pagedoptim.paging import PageCorruptionError, PageIOError
 from pagedoptim.patch import patch, unpatch
 from pagedoptim.sgd import SGD
 from pagedoptim.skewadam import SkewAdam
+from pagedoptim.wrap import wrap
 
 __all__ = ["AdamW", "Lion", "PageCorruptionError", "PageIOError", "PagedOptimizer", "SGD",
-           "SkewAdam", "patch", "unpatch"]
+           "SkewAdam", "patch", "unpatch", "wrap"]
 __version__ = "0.1.0"
