@@ -2,8 +2,16 @@
 unpatch(), and the classes that stand in for torch.optim.AdamW, Adam and SGD (reference:
 torch's own classes, from pagedoptim.patch.torch_class while patched)."""
 
+import importlib.util
 import inspect
 import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -237,3 +245,169 @@ def test_unknown_keyword_arguments_are_passed_on_never_dropped(patched):
         assert opt.param_groups[0]["foreach"] is False
     with pytest.raises(TypeError, match="no_such_argument"):
         torch.optim.AdamW(make_params([(3,)]), no_such_argument=1)
+
+
+# -- the startup hook: PAGEDOPTIM=1 python script.py ---------------------------------------
+#
+# The package may not be pip-installed from this tree, so the scripts run with python/ on
+# PYTHONPATH and process python/pagedoptim.pth from a temporary site directory with
+# site.addsitedir(), exactly as site does for site-packages at start-up.
+
+REPO = Path(__file__).resolve().parents[2]
+SOURCE = REPO / "python"
+PTH = SOURCE / "pagedoptim.pth"
+
+
+def run_script(code, tmp_path, **variables):
+    site_dir = tmp_path / "site"
+    site_dir.mkdir(exist_ok=True)
+    shutil.copy(PTH, site_dir)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDOPTIM")}
+    environ.update(variables, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(SOURCE), os.environ.get("PYTHONPATH")])))
+    prologue = f"import site; site.addsitedir({str(site_dir)!r})\n"
+    return subprocess.run([sys.executable, "-c", prologue + textwrap.dedent(code)],
+                          env=environ, capture_output=True, text=True, timeout=120)
+
+
+def test_flag_makes_torch_names_ours_with_settings_from_the_environment(tmp_path):
+    result = run_script("""
+        import sys
+        assert "torch" not in sys.modules  # the hook waits for the script's import
+        import torch
+        from torch.optim import AdamW
+        params = [torch.nn.Parameter(torch.randn(33))]
+        opt = AdamW(params, lr=1e-2)
+        for cls in (torch.optim.Adam, torch.optim.SGD):
+            assert cls.__module__.startswith("pagedoptim"), cls
+        assert type(opt).__module__.startswith("pagedoptim"), type(opt)
+        assert isinstance(opt, torch.optim.Optimizer)
+        # Settings reach the optimizer: 32-bit state, and paged to the page file.
+        params[0].grad = torch.randn(33)
+        opt.step()
+        stats, report = opt.paging_stats(), opt.memory_report()
+        assert stats["offload"] == "nvme", stats
+        assert report["page_bytes"] == 8192 and report["moment_bytes"] == 2 * 4 * 33, report
+        print("patched")
+        """, tmp_path, PAGEDOPTIM="1", PAGEDOPTIM_STATE_BITS="32", PAGEDOPTIM_MASTER_BITS="none",
+        PAGEDOPTIM_OFFLOAD="nvme", PAGEDOPTIM_NVME_DIR=str(tmp_path),
+        PAGEDOPTIM_CACHE_BYTES="64KiB", PAGEDOPTIM_PAGE_BYTES="8KiB")
+    assert result.returncode == 0 and "patched" in result.stdout, result.stderr
+
+
+def test_flag_patches_when_the_script_imports_pagedoptim_first(tmp_path):
+    # pagedoptim imports torch half-way through its own import: the patch must wait for it.
+    result = run_script("""
+        import pagedoptim, torch
+        assert torch.optim.AdamW is pagedoptim.stand_ins.AdamW
+        """, tmp_path, PAGEDOPTIM="1")
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("flag", [None, "0"])
+def test_without_the_flag_torch_is_untouched(flag, tmp_path):
+    variables = {} if flag is None else {"PAGEDOPTIM": flag}
+    result = run_script(f"""
+        import sys
+        # Unset, the .pth imports nothing at all.
+        assert ("_pagedoptim_startup" in sys.modules) == {flag is not None}
+        import torch
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])
+        assert type(opt).__module__ == "torch.optim.adamw", type(opt)
+        assert torch.optim.SGD.__module__ == "torch.optim.sgd"
+        """, tmp_path, **variables)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("variables, expected", [
+    ({"PAGEDOPTIM_STATE_BITS": "7"}, "PAGEDOPTIM_STATE_BITS='7': expected one of 8, 32"),
+    ({"PAGEDOPTIM_CACHEBYTES": "4GiB"},
+     "PAGEDOPTIM_CACHEBYTES (did you mean PAGEDOPTIM_CACHE_BYTES?)"),
+    ({"PAGEDOPTIM": "please"}, "PAGEDOPTIM='please': expected one of 1, true"),
+])
+def test_bad_settings_stop_the_script_at_import_torch(variables, expected, tmp_path):
+    result = run_script("""
+        import torch
+        print("trained with torch's optimizer")
+        """, tmp_path, **{"PAGEDOPTIM": "1", **variables})
+    assert result.returncode != 0 and "trained" not in result.stdout
+    assert expected in result.stderr, result.stderr
+
+
+def test_pth_runs_the_hook_only_when_the_flag_is_set():
+    lines = PTH.read_text().splitlines()
+    # site executes a .pth line only when it starts with "import"; one line, stdlib only.
+    assert len(lines) == 1 and lines[0].startswith("import os;")
+    assert '"PAGEDOPTIM" in os.environ and' in lines[0]
+    assert "torch" not in lines[0]
+    startup = (SOURCE / "_pagedoptim_startup.py").read_text()
+    imports = {line.split()[1] for line in startup.splitlines()
+               if line.startswith(("import ", "from "))}
+    assert imports <= {"__future__", "sys"}, imports
+
+
+def test_every_pagedoptim_variable_in_the_repository_is_a_setting_or_reserved():
+    """A variable read by the build, a script or the library must be listed in RESERVED,
+    or the flag would reject it as a typo."""
+    not_variables = {"PAGEDOPTIM_NAME",  # a constant in demo.py
+                     "PAGEDOPTIM_INCLUDE_"}  # a CMake variable prefix
+    known = set(env_settings.SETTING_VARIABLES) | env_settings.RESERVED | not_variables
+    this_file = Path(__file__).resolve()
+    found = {}
+    for top in ("setup.py", "CMakeLists.txt", "README.md", "python", "csrc", "cmake", "scripts",
+                "tests", "docs", "benchmarks", "include"):
+        for path in [REPO / top] if (REPO / top).is_file() else (REPO / top).rglob("*"):
+            if not path.is_file() or path == this_file or path.suffix in (".so", ".pyc"):
+                continue
+            for name in re.findall(r"PAGEDOPTIM_[A-Z0-9_]+", path.read_text(errors="ignore")):
+                found.setdefault(name, path.relative_to(REPO))
+    unknown = {name: str(path) for name, path in found.items() if name not in known}
+    assert not unknown, f"add these to env_settings.RESERVED (or SETTINGS): {unknown}"
+
+
+# -- installation: the .pth reaches site-packages from a wheel and an editable install -------
+
+STUB_SETUP = """
+# pagedoptim's setup.py, run with its CMake extension left out (it would rebuild the C++).
+import runpy
+import setuptools
+
+arguments = {{}}
+setup = setuptools.setup
+setuptools.setup = arguments.update
+runpy.run_path({setup_py!r})
+setuptools.setup = setup
+arguments.pop("ext_modules")
+arguments["cmdclass"].pop("build_ext")
+setup(**arguments)
+"""
+
+
+def can_build_wheels():
+    """setuptools builds wheels itself from 70.1 on, with the wheel package before."""
+    return any(importlib.util.find_spec(name) is not None
+               for name in ("setuptools.command.bdist_wheel", "wheel"))
+
+
+@pytest.mark.skipif(not can_build_wheels(), reason="neither setuptools>=70.1 nor wheel")
+def test_wheel_and_editable_wheel_put_the_pth_at_site_packages_root(tmp_path):
+    project = tmp_path / "project"
+    (project / "python" / "pagedoptim").mkdir(parents=True)
+    (project / "python" / "pagedoptim" / "__init__.py").write_text("")
+    shutil.copy(SOURCE / "_pagedoptim_startup.py", project / "python")
+    shutil.copy(REPO / "pyproject.toml", project)
+    (project / "setup.py").write_text(STUB_SETUP.format(setup_py=str(REPO / "setup.py")))
+    # The names of the wheels go to a file: the build logs to stdout.
+    build = ("from setuptools import build_meta\n"
+             "names = [build_meta.build_wheel('dist'), build_meta.build_editable('dist')]\n"
+             "open('built.txt', 'w').write(' '.join(names))\n")
+    result = subprocess.run([sys.executable, "-c", build], cwd=project, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    regular, editable = (project / "built.txt").read_text().split()
+    with zipfile.ZipFile(project / "dist" / regular) as wheel:
+        assert wheel.read("pagedoptim.pth") == PTH.read_bytes()
+        assert "_pagedoptim_startup.py" in wheel.namelist()
+    with zipfile.ZipFile(project / "dist" / editable) as wheel:
+        # The startup module is found through the editable path to python/.
+        assert wheel.read("pagedoptim.pth") == PTH.read_bytes()
