@@ -43,15 +43,20 @@ class Adam(PagedAdamW):
                  betas: tuple[Any, Any] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
                  decoupled_weight_decay: bool = False, **kwargs: Any) -> None:
-        self._decoupled_weight_decay = bool(decoupled_weight_decay)
+        self._constructor_decoupling = bool(decoupled_weight_decay)
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize,
                          **_with_session_settings(kwargs))
         # torch keeps it in defaults and groups; state dicts round-trip through torch.Adam.
-        self.defaults["decoupled_weight_decay"] = self._decoupled_weight_decay
+        self.defaults["decoupled_weight_decay"] = self._constructor_decoupling
+
+    # Until the constructor has put it in defaults; copies and unpickled optimizers keep
+    # only defaults, state and groups, so afterwards defaults is where it is read.
+    _constructor_decoupling = False
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         group = dict(param_group)
-        group.setdefault("decoupled_weight_decay", self._decoupled_weight_decay)
+        group.setdefault("decoupled_weight_decay",
+                         self.defaults.get("decoupled_weight_decay", self._constructor_decoupling))
         self._check_weight_decay(
             {"weight_decay": self.defaults["weight_decay"], **group}, len(self.param_groups))
         super().add_param_group(group)
@@ -85,7 +90,10 @@ class AdamW(Adam):
 
 
 class SGD(PagedSGD):
-    """torch.optim.SGD on our SGD (the signatures already agree)."""
+    """torch.optim.SGD on our SGD (torch's maximize is keyword-only)."""
 
-    def __init__(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        super().__init__(params, *args, **_with_session_settings(kwargs))
+    def __init__(self, params: Any, lr: Union[float, torch.Tensor] = 1e-3,
+                 momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
+                 nesterov: bool = False, *, maximize: bool = False, **kwargs: Any) -> None:
+        super().__init__(params, lr, momentum, dampening, weight_decay, nesterov, maximize,
+                         **_with_session_settings(kwargs))

@@ -2,9 +2,11 @@
 unpatch(), and the classes that stand in for torch.optim.AdamW, Adam and SGD (reference:
 torch's own classes, from pagedoptim.patch.torch_class while patched)."""
 
+import copy
 import importlib.util
 import inspect
 import os
+import pickle
 import re
 import shutil
 import subprocess
@@ -165,7 +167,7 @@ def test_stand_ins_have_torch_defaults(name, patched):
             assert ours.param_groups[0][key] == value, f"{name} default {key}"
 
 
-@pytest.mark.parametrize("name", ["AdamW", "Adam"])
+@pytest.mark.parametrize("name", TORCH_NAMES)
 def test_stand_ins_take_torch_signature(name):
     torch_parameters = inspect.signature(torch_class(name)).parameters
     ours = inspect.signature(getattr(po.stand_ins, name)).parameters
@@ -207,6 +209,19 @@ def test_adam_with_coupled_weight_decay_raises_everywhere_it_could_appear(patche
     params[0].grad = torch.ones_like(params[0])
     with pytest.raises(ValueError, match="weight_decay"):
         opt.step()
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_adam_keeps_its_weight_decay_semantics_in_copies(decoupled, patched):
+    opt = torch.optim.Adam(make_params(SMALL_SHAPES[:2]), decoupled_weight_decay=decoupled)
+    for copied in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        group = {"params": make_params([(3,)]), "weight_decay": 0.1}
+        if decoupled:
+            copied.add_param_group(group)
+            assert copied.param_groups[-1]["decoupled_weight_decay"] is True
+        else:
+            with pytest.raises(ValueError, match="L2"):
+                copied.add_param_group(group)
 
 
 def test_patch_settings_overrides_beat_the_environment(monkeypatch):
