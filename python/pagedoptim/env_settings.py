@@ -131,8 +131,10 @@ def flag_enabled(environ: Mapping[str, str] = os.environ) -> bool:
 
 
 def settings_from_environment(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
-    """The paging keyword arguments set by PAGEDOPTIM_* variables, parsed and checked
-    together (an unknown PAGEDOPTIM_* variable raises, naming the closest known one)."""
+    """The paging keyword arguments set by PAGEDOPTIM_* variables, each parsed and checked
+    (an unknown PAGEDOPTIM_* variable raises, naming the closest known one). Whether they
+    fit together is for the caller to check, after merging its own arguments: see
+    check_together()."""
     known = set(SETTING_VARIABLES) | RESERVED
     settings: dict[str, Any] = {}
     for variable in sorted(environ):
@@ -149,11 +151,19 @@ def settings_from_environment(environ: Mapping[str, str] = os.environ) -> dict[s
             continue
         field, parse = _SETTINGS[variable[len(PREFIX):]]
         settings[field] = parse(variable, environ[variable])
-    try:
-        PagingOptions(**settings)
-    except (TypeError, ValueError) as error:
-        names = ", ".join(f"{PREFIX}{s}" for s, (f, _) in _SETTINGS.items() if f in settings)
-        raise EnvironmentSettingError(
-            f"The PagedOptim settings from the environment ({names}) do not fit together: "
-            f"{error}") from error
     return settings
+
+
+def check_together(from_environment: Mapping[str, Any], overrides: Mapping[str, Any]) -> None:
+    """Raises if the settings from the environment, with `overrides` on top, do not fit
+    together (prefetch without paging, say); the message names the variables."""
+    try:
+        PagingOptions(**{**from_environment, **overrides})
+    except ValueError as error:
+        if not from_environment:
+            raise
+        names = ", ".join(PREFIX + suffix for suffix, (field, _) in _SETTINGS.items()
+                          if field in from_environment)
+        source = f"the environment ({names})" + (" and the arguments" if overrides else "")
+        raise EnvironmentSettingError(
+            f"The PagedOptim settings from {source} do not fit together: {error}") from error

@@ -11,15 +11,13 @@ from pagedoptim.options import PagingOptions
 NAMES = tuple(field.name for field in dataclasses.fields(PagingOptions))
 
 
-def checked(kwargs: Mapping[str, Any], caller: str) -> dict[str, Any]:
-    """`kwargs` as a dict, after checking that each is a paging keyword argument and that
-    they fit together (the optimizers' own checks, run now rather than at construction)."""
+def check_names(kwargs: Mapping[str, Any], caller: str) -> None:
+    """Raises TypeError unless every key of `kwargs` is a paging keyword argument (their
+    values are checked where they are merged with the other sources of settings)."""
     unknown = sorted(set(kwargs) - set(NAMES))
     if unknown:
         raise TypeError(f"{caller} got unexpected keyword argument(s) {', '.join(unknown)}; "
                         f"it takes the paging keyword arguments {', '.join(NAMES)}")
-    PagingOptions(**kwargs)
-    return dict(kwargs)
 
 
 def with_defaults(kwargs: Mapping[str, Any]) -> dict[str, Any]:

@@ -44,8 +44,10 @@ def patch(**overrides: Any) -> None:
     Calling it again replaces the settings; unpatch() restores torch's classes.
     """
     global _patched
-    settings = {**env_settings.settings_from_environment(), **overrides}
-    stand_ins.use_paging_settings(paging_kwargs.checked(settings, "pagedoptim.patch()"))
+    from_environment = env_settings.settings_from_environment()
+    paging_kwargs.check_names(overrides, "pagedoptim.patch()")
+    env_settings.check_together(from_environment, overrides)
+    stand_ins.use_paging_settings({**from_environment, **overrides})
     for name, stand_in in STAND_INS.items():
         setattr(torch.optim, name, stand_in)
     _patched = True

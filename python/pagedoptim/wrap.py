@@ -60,7 +60,8 @@ def wrap(optimizer: torch.optim.Optimizer, **kwargs: Any) -> PagedOptimizer:
     hyperparameters = {key: optimizer.defaults[key] for key in hyperparameter_names}
     # Explicit paging arguments: settings of an active patch() apply to scripts' torch
     # names, not to wrap().
-    paging = paging_kwargs.with_defaults(paging_kwargs.checked(kwargs, "wrap()"))
+    paging_kwargs.check_names(kwargs, "wrap()")
+    paging = paging_kwargs.with_defaults(kwargs)
     groups = [{**group, "params": list(group["params"])} for group in optimizer.param_groups]
     paged = paged_cls(groups, **hyperparameters, **paging)
     paged.load_state_dict(optimizer.state_dict())

@@ -89,13 +89,18 @@ def test_bad_values_name_the_variable_and_what_it_expects(variable, value, expec
     assert f"{variable}={value!r}" in message and expected in message, message
 
 
-def test_settings_that_do_not_fit_together_name_the_variables():
+def test_settings_that_do_not_fit_together_name_the_variables(monkeypatch):
     # prefetch means nothing without paging; PagingOptions says so, we name the variables.
-    environ = {"PAGEDOPTIM_PREFETCH": "2", "PAGEDOPTIM_STATE_BITS": "32"}
+    monkeypatch.setenv("PAGEDOPTIM_PREFETCH", "2")
+    monkeypatch.setenv("PAGEDOPTIM_STATE_BITS", "32")
     with pytest.raises(EnvironmentSettingError, match="PAGEDOPTIM_PREFETCH.*prefetch=2"):
-        settings_from_environment(environ)
+        po.patch()
+    # ... and they are checked after the arguments of patch() are merged in.
+    po.patch(offload="host")
+    assert torch.optim.AdamW is po.stand_ins.AdamW
+    monkeypatch.setenv("PAGEDOPTIM_PAGE_BYTES", "1000")
     with pytest.raises(EnvironmentSettingError, match="page_bytes"):
-        settings_from_environment({"PAGEDOPTIM_PAGE_BYTES": "1000"})
+        po.patch(offload="host")
 
 
 def test_an_unknown_variable_raises_with_the_closest_name():
