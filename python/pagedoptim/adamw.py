@@ -55,7 +55,7 @@ class AdamW(PagedOptimizer):
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize,
-                        decoupled_weight_decay=True)
+                        decoupled_weight_decay=self._decoupled_weight_decay_default())
         defaults.update(torch_flags.check_flags(
             type(self).__name__, foreach, fused, capturable, differentiable))
         self._check_group(defaults)
@@ -64,6 +64,11 @@ class AdamW(PagedOptimizer):
                                 page_bytes=page_bytes, prefetch=prefetch, policy=policy,
                                 release_grads=release_grads)
         super().__init__(params, defaults, options)
+
+    def _decoupled_weight_decay_default(self) -> bool:
+        """torch 2.x's AdamW groups say decoupled_weight_decay=True; the Adam stand-in of
+        pagedoptim.patch() says what its constructor was given."""
+        return True
 
     @staticmethod
     def _check_group(group: dict[str, Any]) -> tuple:
