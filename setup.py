@@ -17,6 +17,10 @@ Environment:
     PAGEDOPTIM_BUILD_DIR       CMake build directory, reused between builds (default: build/)
     PAGEDOPTIM_CMAKE_ARGS      extra arguments for the CMake configure step
     MAX_JOBS                   parallel compile jobs (default: number of CPUs)
+
+Besides the package, the install puts two files at the top of site-packages: pagedoptim.pth
+and _pagedoptim_startup.py, the startup hook of `PAGEDOPTIM=1 python train.py` (see
+docs/one_flag.md). Without PAGEDOPTIM set, the .pth does nothing beyond one dict lookup.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from setuptools import Extension, find_packages, setup
+from setuptools import Command, Extension, find_packages, setup
+from setuptools.command.build import build
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
@@ -132,6 +137,50 @@ class CMakeBuild(build_ext):
         os.replace(staging, destination)
 
 
+class BuildStartupHook(Command):
+    """Puts pagedoptim.pth at the root of the wheel, which is site-packages once installed:
+    site runs a .pth file only from there, never from a package or from python/.
+
+    A build sub-command, so a regular wheel (bdist_wheel installs build_lib) and an editable
+    one both get it. In editable mode build_lib is ignored: setuptools' editable_wheel packs
+    the directory it gave the install command as install_lib, so the file goes there.
+    """
+
+    description = "add the PAGEDOPTIM startup hook (pagedoptim.pth) to the wheel"
+    user_options: list = []
+    PTH = "pagedoptim.pth"
+
+    def initialize_options(self) -> None:
+        self.build_lib = None
+        self.editable_mode = False
+
+    def finalize_options(self) -> None:
+        self.set_undefined_options("build", ("build_lib", "build_lib"))
+
+    def _destination(self) -> Path:
+        if self.editable_mode:
+            return Path(self.get_finalized_command("install").install_lib) / self.PTH
+        return Path(self.build_lib) / self.PTH
+
+    def run(self) -> None:
+        destination = self._destination()
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        self.copy_file(str(ROOT / "python" / self.PTH), str(destination))
+
+    def get_outputs(self) -> list[str]:
+        return [] if self.editable_mode else [str(self._destination())]
+
+    def get_source_files(self) -> list[str]:
+        return [str(Path("python") / self.PTH)]
+
+    def get_output_mapping(self) -> dict[str, str]:
+        return {}
+
+
+class BuildWithStartupHook(build):
+    sub_commands = build.sub_commands + [("build_startup_hook", None)]
+
+
 setup(
     name="pagedoptim",
     version="0.1.0",
@@ -140,8 +189,10 @@ setup(
     python_requires=">=3.10",
     package_dir={"": "python"},
     packages=find_packages("python"),
+    py_modules=["_pagedoptim_startup"],
     ext_modules=[CMakeExtension("pagedoptim._C")],
-    cmdclass={"build_ext": CMakeBuild},
+    cmdclass={"build": BuildWithStartupHook, "build_startup_hook": BuildStartupHook,
+              "build_ext": CMakeBuild},
     install_requires=["torch>=2.4"],
     zip_safe=False,
 )

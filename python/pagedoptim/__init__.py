@@ -4,9 +4,11 @@ from pagedoptim.adamw import AdamW
 from pagedoptim.lion import Lion
 from pagedoptim.optimizer import PagedOptimizer
 from pagedoptim.paging import PageCorruptionError, PageIOError
+from pagedoptim.patch import patch, unpatch
 from pagedoptim.sgd import SGD
 from pagedoptim.skewadam import SkewAdam
+from pagedoptim.wrap import wrap
 
 __all__ = ["AdamW", "Lion", "PageCorruptionError", "PageIOError", "PagedOptimizer", "SGD",
-           "SkewAdam"]
+           "SkewAdam", "patch", "unpatch", "wrap"]
 __version__ = "0.1.0"

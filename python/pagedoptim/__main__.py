@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedoptim import demo
+from pagedoptim import convert, demo
 
 # name -> (module, one-line help)
 COMMANDS = {
     "demo": (demo, "train a tiny LM with pagedoptim.AdamW and torch.optim.AdamW side by side"),
+    "convert": (convert, "convert an optimizer checkpoint between pagedoptim's state format "
+                         "and torch.optim's"),
 }
 
 

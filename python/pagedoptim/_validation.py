@@ -1,4 +1,9 @@
-"""Argument checks shared by the optimizers: each error names the argument it is about."""
+"""Argument checks shared by the optimizers.
+
+Each message starts with what torch.optim says for the same mistake ("Invalid learning
+rate: -1.0"), so code and searches written against torch's messages still match, and goes
+on to name the argument and what was expected.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +12,22 @@ from typing import Any
 
 import torch
 
+# torch.optim's words for each hyperparameter in its "Invalid ..." messages.
+_TORCH_LABELS = {
+    "lr": "learning rate",
+    "eps": "epsilon value",
+    "weight_decay": "weight_decay value",
+    "momentum": "momentum value",
+    "dampening": "dampening value",
+}
+
 
 def as_float(value: Any, name: str) -> float:
     """A hyperparameter as a Python float; a 0-dim tensor (lr from a scheduler) is allowed."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(f"{name} must be a number or a one-element tensor, "
-                             f"got a tensor of shape {tuple(value.shape)}")
+            raise ValueError(f"Tensor {name} must be 1-element ({name} is a tensor of shape "
+                             f"{tuple(value.shape)})")
         return float(value.item())
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
@@ -23,20 +37,22 @@ def as_float(value: Any, name: str) -> float:
 def check_non_negative(value: Any, name: str) -> float:
     number = as_float(value, name)
     if math.isnan(number) or number < 0.0 or math.isinf(number):
-        raise ValueError(f"Invalid {name}: {number} ({name} must be a finite number >= 0)")
-    return number
-
-
-def check_unit_interval(value: Any, name: str) -> float:
-    """A decay rate: 0 <= value < 1."""
-    number = as_float(value, name)
-    if not (0.0 <= number < 1.0):
-        raise ValueError(f"Invalid {name}: {number} ({name} must be in [0, 1))")
+        label = _TORCH_LABELS.get(name, name)
+        raise ValueError(f"Invalid {label}: {number} ({name} must be a finite number >= 0)")
     return number
 
 
 def check_betas(betas: Any, name: str = "betas") -> tuple[float, float]:
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"Invalid {name}: {betas!r} ({name} must be a pair of numbers)")
-    return (check_unit_interval(betas[0], f"{name}[0]"),
-            check_unit_interval(betas[1], f"{name}[1]"))
+    if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+        raise ValueError(f"betas must be either both floats or both Tensors (got {name}="
+                         f"({type(betas[0]).__name__}, {type(betas[1]).__name__}))")
+    checked = []
+    for index, beta in enumerate(betas):
+        number = as_float(beta, f"{name}[{index}]")
+        if not (0.0 <= number < 1.0):
+            raise ValueError(f"Invalid beta parameter at index {index}: {number} "
+                             f"({name}[{index}] must be in [0, 1))")
+        checked.append(number)
+    return checked[0], checked[1]

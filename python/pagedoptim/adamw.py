@@ -6,6 +6,7 @@ from typing import Any, Iterable, Optional, Union
 
 import torch
 
+from pagedoptim import torch_flags
 from pagedoptim._validation import check_betas, check_non_negative
 from pagedoptim.optimizer import PagedOptimizer
 from pagedoptim.options import PagingOptions
@@ -43,13 +44,20 @@ class AdamW(PagedOptimizer):
         offload: Optional[str] = None,
         nvme_dir: Optional[str] = None,
         cache_bytes: Optional[int] = None,
-        page_bytes: int = 2 << 20,
+        page_bytes: Optional[int] = None,
         prefetch: int = 4,
         policy: str = "auto",
         release_grads: bool = False,
+        foreach: Optional[bool] = None,
+        fused: Optional[bool] = None,
+        capturable: bool = False,
+        differentiable: bool = False,
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        amsgrad=amsgrad, maximize=maximize)
+                        amsgrad=amsgrad, maximize=maximize,
+                        decoupled_weight_decay=self._decoupled_weight_decay_default())
+        defaults.update(torch_flags.check_flags(
+            type(self).__name__, foreach, fused, capturable, differentiable))
         self._check_group(defaults)
         options = PagingOptions(state_bits=state_bits, master_bits=master_bits,
                                 offload=offload, nvme_dir=nvme_dir, cache_bytes=cache_bytes,
@@ -57,12 +65,23 @@ class AdamW(PagedOptimizer):
                                 release_grads=release_grads)
         super().__init__(params, defaults, options)
 
+    def _decoupled_weight_decay_default(self) -> bool:
+        """torch 2.x's AdamW groups say decoupled_weight_decay=True; the Adam stand-in of
+        pagedoptim.patch() says what its constructor was given."""
+        return True
+
     @staticmethod
     def _check_group(group: dict[str, Any]) -> tuple:
         lr = check_non_negative(group["lr"], "lr")
         beta1, beta2 = check_betas(group["betas"])
         eps = check_non_negative(group["eps"], "eps")
         weight_decay = check_non_negative(group["weight_decay"], "weight_decay")
+        if weight_decay and not group.get("decoupled_weight_decay", True):
+            # torch.optim.Adam's groups: its weight decay is an L2 term added to the gradient,
+            # which AdamW's decoupled decay does not reproduce.
+            raise ValueError("decoupled_weight_decay=False (torch.optim.Adam's L2 weight decay, "
+                             f"weight_decay={weight_decay}) is not AdamW's algorithm: "
+                             "pagedoptim.AdamW decouples weight decay from the gradient")
         return (lr, beta1, beta2, eps, weight_decay, bool(group["amsgrad"]),
                 bool(group.get("maximize", False)))
 
@@ -77,6 +96,13 @@ class AdamW(PagedOptimizer):
 
     def _all_moments(self) -> list[Moment]:
         return [self._FIRST, self._SECOND, self._SECOND_MAX]
+
+    def _dense_grad(self, p: torch.Tensor, grad: torch.Tensor,
+                    group: dict[str, Any]) -> torch.Tensor:
+        if grad.is_sparse:
+            raise RuntimeError("AdamW does not support sparse gradients, please consider "
+                               f"SparseAdam instead (param of shape {tuple(p.shape)} has one)")
+        return grad
 
     def _native_step(self, *args: Any, **amp: Any) -> None:
         self._engine.step_adamw(*args, **amp)

@@ -135,8 +135,6 @@ def step_params_(optimizer_id: int, params: list[torch.Tensor], grads: list[torc
     The tensors may be the optimizer's own or, where the compiler does not update in
     place, functional copies of them: the step updates the tensors it is given, and finds
     each one's state through its position among the optimizer's params."""
-    from pagedoptim.optimizer import _StepBatch  # optimizer.py imports this module
-
     optimizer = _optimizers.get(optimizer_id)
     if optimizer is None:
         raise RuntimeError(f"{OP_NAME}: no live pagedoptim optimizer has id {optimizer_id} "
@@ -151,17 +149,14 @@ def step_params_(optimizer_id: int, params: list[torch.Tensor], grads: list[torc
         _check_stands_for(param, position, owners)
     group_ids = [group_id for group_id, group in enumerate(optimizer.param_groups)
                  for _ in group["params"]]
-    # The eager step's batch, over the op's tensors; the hyperparameters are read now, as
+    # The eager step over the op's tensors: it reads the hyperparameters now, as
     # optimizer.step() reads them.
-    batch = _StepBatch()
-    batch.amp = (optimizer._amp_arguments({"found_inf": found_inf, "grad_scale": grad_scale})
-                 if optimizer._step_supports_amp_scaling else {})
-    batch.hyperparameters = [optimizer._group_hyperparameters(group)
-                             for group in optimizer.param_groups]
-    for param, grad, step, position in zip(params, grads, steps, positions):
-        optimizer._add_to_batch(batch, owners[position], grad, group_ids[position],
-                                target=param, step=step)
-    optimizer._run(batch)
+    amp = (optimizer._amp_arguments({"found_inf": found_inf, "grad_scale": grad_scale})
+           if optimizer._step_supports_amp_scaling else {})
+    optimizer._step_params([(owners[position], group_ids[position], grad,
+                             {"target": param, "step": step})
+                            for param, grad, step, position
+                            in zip(params, grads, steps, positions)], amp)
 
 
 def _check_stands_for(param: torch.Tensor, position: int, owners: list[torch.Tensor]) -> None:

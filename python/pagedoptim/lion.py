@@ -6,6 +6,7 @@ from typing import Any, Iterable, Optional, Union
 
 import torch
 
+from pagedoptim import torch_flags
 from pagedoptim._validation import check_betas, check_non_negative
 from pagedoptim.optimizer import PagedOptimizer
 from pagedoptim.options import PagingOptions
@@ -34,12 +35,18 @@ class Lion(PagedOptimizer):
         offload: Optional[str] = None,
         nvme_dir: Optional[str] = None,
         cache_bytes: Optional[int] = None,
-        page_bytes: int = 2 << 20,
+        page_bytes: Optional[int] = None,
         prefetch: int = 4,
         policy: str = "auto",
         release_grads: bool = False,
+        foreach: Optional[bool] = None,
+        fused: Optional[bool] = None,
+        capturable: bool = False,
+        differentiable: bool = False,
     ) -> None:
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize)
+        defaults.update(torch_flags.check_flags(
+            type(self).__name__, foreach, fused, capturable, differentiable))
         self._check_group(defaults)
         options = PagingOptions(state_bits=state_bits, master_bits=master_bits,
                                 offload=offload, nvme_dir=nvme_dir, cache_bytes=cache_bytes,

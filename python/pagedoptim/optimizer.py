@@ -5,25 +5,30 @@ engine (created at the first step, so no state exists before it), the single nat
 per step (or, with release_grads, one per parameter inside backward), and the translation
 between paged state and torch's state_dict format.
 
-Where state lives: `self.state[p]` holds only the step counter ('step', a 0-dim float32
-tensor, as in torch). The moments (and master residuals) live in the engine's pages;
-`state_dict()` gathers them into per-parameter tensors and `load_state_dict()` scatters
-them back, converting between fp32 and companded 8-bit formats where they differ.
+Where state lives: the moments (and master residuals) live in the engine's pages.
+`self.state[p]` is a `ParamState` (pagedoptim/param_state.py): the step counter ('step', a
+0-dim float32 tensor, as in torch) and the page streams, read and written through the
+engine. `state_dict()` and `load_state_dict()` follow torch's, hooks included; tensors
+convert between fp32 and companded 8-bit formats where the formats differ.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 from typing import Any, Callable, Optional
 
 import torch
 
-from pagedoptim import compiled_step, paging, state_format
+from pagedoptim import compiled_step, paging, release_guard, state_format, torch_flags
 from pagedoptim._native import native
+from pagedoptim.checkpoint_algorithms import check_algorithm
 from pagedoptim.options import PagingOptions
+from pagedoptim.param_state import ParamState, StateMap
 from pagedoptim.state_format import Moment, StreamSpec
 
-_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# complex64 params are stepped as their float32 real view, as torch.optim does.
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.complex64)
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 # Page kinds: every parameter's state has the optimizer's moment streams; bf16/fp16
@@ -36,12 +41,16 @@ class PagedOptimizer(torch.optim.Optimizer):
     """Base class; subclasses set `_kind` and implement the hooks marked below."""
 
     _kind: str = ""
+    # Whether state[p] shows 'step', as torch's optimizer of the algorithm does (torch.optim.SGD
+    # keeps none; ours still counts steps, out of sight).
+    _step_in_state: bool = True
 
     def __init__(self, params: Any, defaults: dict[str, Any], options: PagingOptions) -> None:
         self._options = options
         self._engine: Any = None
         self._slots: dict[torch.Tensor, int] = {}
         self._device: Optional[torch.device] = None
+        self._page_bytes: Optional[int] = None  # chosen when the engine is created
         self._release_hooks: list[Any] = []
         self._released_this_round: set[int] = set()
         if isinstance(params, (set, frozenset)):
@@ -49,8 +58,11 @@ class PagedOptimizer(torch.optim.Optimizer):
                             "named_parameters()), not a set: a set's order changes between "
                             "runs, and the state_dict maps state to params by position")
         super().__init__(params, defaults)
+        self.state: StateMap = StateMap(self)
         # What can be known wrong before the first step is reported here, not there.
         paging.check_before_first_step(options, self._device)
+        if options.release_grads:
+            release_guard.watch(self)
 
     # -- what each optimizer provides ------------------------------------------------------
 
@@ -83,28 +95,21 @@ class PagedOptimizer(torch.optim.Optimizer):
         # named_parameters() gives (name, tensor) pairs; torch unpacks them in its own
         # add_param_group, so look through them here.
         tensors = [p[1] if isinstance(p, tuple) else p for p in params]
-        seen: set[int] = set()
         for index, p in enumerate(tensors):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"params[{index}] must be a Tensor, got {type(p).__name__}")
-            if p.is_complex():
-                raise ValueError(f"params[{index}] is complex ({p.dtype}); pagedoptim does not "
-                                 "support complex params: optimize torch.view_as_real(p) instead")
             if p.dtype not in _SUPPORTED_DTYPES:
                 raise ValueError(f"params[{index}] has dtype {p.dtype}; pagedoptim supports "
-                                 "float32, bfloat16 and float16 params")
-            if id(p) in seen:
-                raise ValueError(f"params[{index}] appears more than once in one parameter "
-                                 "group; each parameter may be given once")
-            seen.add(id(p))
+                                 "float32, bfloat16, float16 and complex64 params")
             if self._device is None:
                 self._device = p.device
             elif p.device != self._device:
                 raise ValueError(f"params must all be on one device: params[{index}] is on "
                                  f"{p.device}, earlier params are on {self._device}")
+        # torch warns about a param given twice in one group (and steps it twice); so do we.
         super().add_param_group({**param_group, "params": params})
         if self._options.release_grads:
-            for p in tensors:
+            for p in dict.fromkeys(tensors):
                 if p.requires_grad:
                     self._release_hooks.append(
                         p.register_post_accumulate_grad_hook(self._step_released))
@@ -160,25 +165,49 @@ class PagedOptimizer(torch.optim.Optimizer):
             # The engine is opaque to the compiler: the step becomes one custom op.
             compiled_step.step_under_compile(self)
             return loss
-        batch = _StepBatch()
-        batch.amp = self._amp_arguments() if self._step_supports_amp_scaling else {}
-        for group_id, group in enumerate(self.param_groups):
-            batch.hyperparameters.append(self._group_hyperparameters(group))
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._add_to_batch(batch, p, p.grad, group_id)
-        self._run(batch)
+        amp = self._amp_arguments() if self._step_supports_amp_scaling else {}
+        self._step_params([(p, group_id, p.grad, {})
+                           for group_id, group in enumerate(self.param_groups)
+                           for p in group["params"] if p.grad is not None], amp)
         return loss
+
+    def _step_params(self, pending: list[tuple[torch.Tensor, int, torch.Tensor, dict[str, Any]]],
+                     amp: dict[str, torch.Tensor]) -> None:
+        """Steps each (param, group index, grad, tensors) in one native call per round;
+        `tensors` are _add_to_batch's target and step (given by a compiled step's op)."""
+        self.state.sync()
+        hyperparameters = [self._group_hyperparameters(group) for group in self.param_groups]
+        # A param given twice in a group is stepped twice, one after the other, as torch
+        # steps it: each round holds every param at most once.
+        while pending:
+            batch, repeated, seen = _StepBatch(), [], set()
+            batch.amp, batch.hyperparameters = amp, hyperparameters
+            for entry in pending:
+                p, group_id, grad, tensors = entry
+                if id(p) in seen:
+                    repeated.append(entry)
+                    continue
+                seen.add(id(p))
+                grad = self._dense_grad(p, grad, self.param_groups[group_id])
+                self._add_to_batch(batch, p, grad, group_id, **tensors)
+            self._run(batch)
+            pending = repeated
+
+    def _dense_grad(self, p: torch.Tensor, grad: torch.Tensor,
+                    group: dict[str, Any]) -> torch.Tensor:
+        """The gradient the kernels take; a sparse one raises as it does in torch (SGD
+        overrides this: torch.optim.SGD takes sparse gradients)."""
+        if grad.is_sparse:
+            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients "
+                               f"(param of shape {tuple(p.shape)} has one)")
+        return grad
 
     def _add_to_batch(self, batch: "_StepBatch", p: torch.Tensor, grad: torch.Tensor,
                       group_id: int, *, target: Optional[torch.Tensor] = None,
                       step: Optional[torch.Tensor] = None) -> None:
         """Adds param `p` to the batch. The step updates `target` and advances `step`,
-        which are p and state[p]['step'] unless given: a compiled step hands over the
+        which are p and its step counter unless given: a compiled step hands over the
         tensors of its custom op, which may be functional copies of them."""
-        if grad.is_sparse:
-            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients "
-                               f"(param of shape {tuple(p.shape)} has one)")
         if p.device.type == "cuda":
             self._check_cuda_param(p)
         elif p.device.type != "cpu":
@@ -188,10 +217,17 @@ class PagedOptimizer(torch.optim.Optimizer):
         if grad.device != p.device:
             raise ValueError(f"the grad of {self._describe(p)} is on {grad.device}, its param "
                              f"on {p.device}: they must be on one device")
-        target = p if target is None else target
-        work = target if target.is_contiguous() else target.contiguous()
-        if work is not target:
-            batch.write_back.append((target, work))
+        if grad.shape != p.shape or grad.dtype != p.dtype:
+            raise ValueError(f"the grad of {self._describe(p)} has shape {tuple(grad.shape)} "
+                             f"and dtype {grad.dtype}; it must match its param")
+        values = p if target is None else target
+        if p.is_complex():
+            # As torch.optim does: a complex param and its state are stepped as the real
+            # view, every real and imaginary part an element of its own.
+            values, grad = torch.view_as_real(values), torch.view_as_real(grad)
+        work = values if values.is_contiguous() else values.contiguous()
+        if work is not values:
+            batch.write_back.append((values, work))
         batch.params.append(work)
         batch.grads.append(grad if grad.is_contiguous() else grad.contiguous())
         batch.steps.append(self._step_counter(p) if step is None else step)
@@ -217,19 +253,16 @@ class PagedOptimizer(torch.optim.Optimizer):
             return
         self._native_step(batch.params, batch.grads, batch.steps, batch.slots,
                           batch.group_ids, batch.hyperparameters, **batch.amp)
+        # Copies of the state read before the step no longer hold it.
+        self.state.retire_all()
         for p, work in batch.write_back:
             p.copy_(work)
 
     def _step_counter(self, p: torch.Tensor) -> torch.Tensor:
-        """state[p]['step']: a 0-dim float32 tensor on the CPU for CPU params, and on the
-        param's device for CUDA params (where the kernels advance it, as torch's fused
-        optimizers keep it)."""
-        state = self.state[p]
-        if "step" not in state:
-            # zeros, not tensor(0.0): a CUDA tensor built from a Python number is a blocking
-            # copy from the host, and the step must not wait for the device.
-            state["step"] = torch.zeros((), dtype=torch.float32, device=self._step_device(p))
-        return state["step"]
+        """The param's step count: a 0-dim float32 tensor on the CPU for CPU params, and on
+        the param's device for CUDA params (where the kernels advance it, as torch's fused
+        optimizers keep it); state[p]['step'] unless the algorithm hides it."""
+        return self.state[p].step_counter(self._step_device(p), self._step_in_state)
 
     @staticmethod
     def _step_device(p: torch.Tensor) -> torch.device:
@@ -249,9 +282,13 @@ class PagedOptimizer(torch.optim.Optimizer):
                 "gradient, so gradients cannot accumulate over several backward calls: call "
                 "optimizer.step() after every backward (it ends the round), or use "
                 "release_grads=False for gradient accumulation")
+        if not self._released_this_round:
+            release_guard.check_not_data_parallel()
+            self.state.sync()
+        group = self._group_of(p)
         batch = _StepBatch()
-        batch.hyperparameters = [self._group_hyperparameters(self._group_of(p))]
-        self._add_to_batch(batch, p, p.grad, 0)
+        batch.hyperparameters = [self._group_hyperparameters(group)]
+        self._add_to_batch(batch, p, self._dense_grad(p, p.grad, group), 0)
         self._run(batch)
         self._released_this_round.add(id(p))
         p.grad = None
@@ -300,7 +337,9 @@ class PagedOptimizer(torch.optim.Optimizer):
             native_kinds = [[spec.as_native() for spec in kind] for kind in self._kinds]
             store = paging.store_options(self._options, self._device)
             device = paging.engine_device(store, self._device)
-            self._engine = native.PagedState(self._kind, native_kinds, self._options.page_bytes,
+            self._page_bytes = paging.choose_page_bytes(self._options, store, self._kinds,
+                                                        self._planned_state())
+            self._engine = native.PagedState(self._kind, native_kinds, self._page_bytes,
                                              store=store, device=device)
             if store is not None:
                 paging.warn_about_fallbacks(self._engine)
@@ -316,36 +355,133 @@ class PagedOptimizer(torch.optim.Optimizer):
             if self._kinds[kind]:
                 # Pages start zeroed: a zero residual makes the master weight exactly the
                 # 16-bit parameter, which is right for a weight never split before.
-                slot = engine.register_param(p.numel(), kind)
+                slot = engine.register_param(_state_numel(p), kind)
             else:
                 slot = -1
             self._slots[p] = slot
         return slot
 
+    def _planned_state(self) -> list[tuple[int, int]]:
+        """(kind, elements) of the state every param of the groups will have: what the
+        page size is chosen for."""
+        return [(self._kind_of(p), _state_numel(p))
+                for p in dict.fromkeys(self._indexed_params())]
+
     def _streams_of(self, p: torch.Tensor) -> list[StreamSpec]:
         return self._kinds[self._kind_of(p)]
 
-    # -- state_dict ------------------------------------------------------------------------
+    # -- state in pages, as optimizer.state shows it (see pagedoptim/param_state.py) --------
 
     def _indexed_params(self, groups: Optional[list[dict[str, Any]]] = None
                         ) -> list[torch.Tensor]:
         groups = self.param_groups if groups is None else groups
         return list(itertools.chain.from_iterable(g["params"] for g in groups))
 
-    def _gather_streams(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Every parameter's page streams as tensors, by param index."""
-        gathered: dict[int, dict[str, torch.Tensor]] = {}
-        if self._engine is None:
-            return gathered
-        for index, p in enumerate(self._indexed_params()):
-            slot = self._slots.get(p)
-            if slot is None or slot < 0:
+    def _state_stream_names(self) -> set[str]:
+        """Every key a page stream can have in state[p] or a state dict, in any format."""
+        return state_format.all_stream_names(self._all_moments())
+
+    def _is_state_stream_name(self, key: Any) -> bool:
+        return isinstance(key, str) and key in self._state_stream_names()
+
+    def _state_stream_keys(self, p: torch.Tensor) -> list[str]:
+        """The streams `p` has in the pages now, in the stored format ([] before its first
+        step, and for a param that keeps no state)."""
+        if self._engine is None or self._slots.get(p, -1) < 0:
+            return []
+        return [spec.name for spec in self._streams_of(p)]
+
+    def _decoded_names(self, p: torch.Tensor) -> set[str]:
+        """fp32 moment names readable beside their stored 8-bit codes."""
+        stored = set(self._state_stream_keys(p))
+        return {m.name for m in self._all_moments() if f"{m.name}_codes" in stored}
+
+    def _has_state_tensor(self, p: torch.Tensor, key: Any) -> bool:
+        return key in self._state_stream_keys(p) or key in self._decoded_names(p)
+
+    def _read_state_tensor(self, p: torch.Tensor, key: str) -> torch.Tensor:
+        """A new tensor holding stream `key` of `p` (or the fp32 decoding of its codes),
+        shaped like the param; fp32 moments of a complex param are complex, as torch's."""
+        slot = self._slots[p]
+        stored = {spec.name: spec for spec in self._streams_of(p)}
+        shape = _state_shape(p)
+        if key in stored:
+            value = stored[key].tensor_from_bytes(self._engine.read_stream(slot, key), shape)
+        else:
+            given = {name: stored[name].tensor_from_bytes(self._engine.read_stream(slot, name),
+                                                          shape)
+                     for name in (f"{key}_codes", f"{key}_scales")}
+            fp32 = StreamSpec(key, 4 * state_format.GROUP_SIZE, False, torch.float32)
+            value = state_format.convert_for_stream(fp32, self._all_moments(), given,
+                                                    _state_numel(p)).reshape(shape)
+        if p.is_complex() and value.dtype == torch.float32 and value.shape == shape:
+            value = torch.view_as_complex(value)
+        return value
+
+    def _write_state_tensor(self, p: torch.Tensor, key: str, value: torch.Tensor) -> None:
+        self._write_param_streams(p, {key: value}, complete=False,
+                                  where=f"optimizer.state[param][{key!r}]")
+
+    def _write_param_streams(self, p: torch.Tensor, given: dict[str, torch.Tensor],
+                             complete: bool, where: str) -> None:
+        """Writes what `given` holds of `p`'s streams (in any format: fp32 moments and
+        codes convert both ways) into the pages. Everything is converted and checked before
+        anything is written. complete: every stream must be given (a loaded state)."""
+        slot = self._slot(p)
+        if slot < 0:
+            if not given:
+                return
+            raise ValueError(f"{where}: {type(self).__name__} keeps no state for this param "
+                             "with these hyperparameters")
+        given = {name: _as_real(value, where) for name, value in given.items()}
+        numel = _state_numel(p)
+        converted = []
+        for spec in self._streams_of(p):
+            value = state_format.convert_for_stream(spec, self._all_moments(), given, numel)
+            if value is None:
+                if complete and spec.name != state_format.RESIDUAL:
+                    # no residual saved: the master is the 16-bit weight
+                    raise ValueError(
+                        f"{where} has no '{spec.name}' and nothing to convert it from; "
+                        f"{type(self).__name__} with these hyperparameters keeps "
+                        f"{[s.name for s in self._streams_of(p)]}")
                 continue
-            gathered[index] = {
-                spec.name: spec.tensor_from_bytes(self._engine.read_stream(slot, spec.name),
-                                                  p.shape)
-                for spec in self._streams_of(p)
-            }
+            expected = state_format.expected_numel(spec, numel)
+            if value.numel() != expected:
+                raise ValueError(f"{where}: '{spec.name}' has {value.numel()} elements, "
+                                 f"expected {expected}")
+            raw = value.detach().to(device="cpu", dtype=spec.dtype).contiguous()
+            converted.append((spec.name, raw.view(-1).view(torch.uint8)))
+        if not converted and given:
+            raise ValueError(f"{where}: {sorted(given)} cannot be stored: {type(self).__name__} "
+                             "with these settings keeps "
+                             f"{[s.name for s in self._streams_of(p)]} for this param")
+        for name, raw in converted:
+            self._engine.write_stream(slot, name, raw)
+
+    def _check_write_back(self, p: torch.Tensor, keys: list[str]) -> None:
+        """Changed copies of one moment in two formats cannot both be written back."""
+        for key in keys:
+            if f"{key}_codes" in keys or f"{key}_scales" in keys:
+                raise ValueError(f"optimizer.state[param][{key!r}] and its 8-bit codes or "
+                                 "scales were both changed in place; change one format only")
+
+    def _reset_param_state(self, p: torch.Tensor) -> None:
+        """Back to the state of a param never stepped: zero pages (what new pages hold)."""
+        slot = self._slots.get(p, -1) if self._engine is not None else -1
+        if slot < 0:
+            return
+        for spec in self._streams_of(p):
+            size = self._engine.stream_bytes(slot, spec.name)
+            self._engine.write_stream(slot, spec.name, torch.zeros(size, dtype=torch.uint8))
+
+    def _gather_streams(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Every parameter's page streams as new tensors, by param index."""
+        gathered: dict[int, dict[str, torch.Tensor]] = {}
+        for index, p in enumerate(self._indexed_params()):
+            keys = self._state_stream_keys(p)
+            if keys:
+                gathered[index] = {key: self._read_state_tensor(p, key) for key in keys}
         return gathered
 
     def _scatter_streams(self, streams: dict[int, dict[str, torch.Tensor]]) -> None:
@@ -355,38 +491,44 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._slots = {}
         if not streams:
             return
-        self._ensure_engine()
         params = self._indexed_params()
-        moments = self._all_moments()
         for index in sorted(streams):
-            p = params[index]
-            given = streams[index]
-            slot = self._slot(p)
-            if slot < 0:
-                continue
-            for spec in self._streams_of(p):
-                value = state_format.convert_for_stream(spec, moments, given, p.numel())
-                if value is None:
-                    if spec.name == state_format.RESIDUAL:
-                        continue  # no residual saved: the master is the 16-bit weight
-                    raise ValueError(
-                        f"state for param {index} has no '{spec.name}' and nothing to convert "
-                        f"it from; {type(self).__name__} with these hyperparameters keeps "
-                        f"{[s.name for s in self._streams_of(p)]}")
-                expected = state_format.expected_numel(spec, p.numel())
-                if value.numel() != expected:
-                    raise ValueError(f"state '{spec.name}' of param {index} has "
-                                     f"{value.numel()} elements, expected {expected}")
-                raw = value.detach().to(device="cpu", dtype=spec.dtype).contiguous()
-                self._engine.write_stream(slot, spec.name, raw.view(-1).view(torch.uint8))
+            self._write_param_streams(params[index], streams[index], complete=True,
+                                      where=f"state for param {index}")
+
+    # -- state_dict ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        state_dict = super().state_dict()
-        for index, streams in self._gather_streams().items():
-            state_dict["state"][index] = {**state_dict["state"].get(index, {}), **streams}
-        # The packed per-param dicts are this optimizer's own; hand out copies.
-        state_dict["state"] = {index: dict(value)
-                               for index, value in state_dict["state"].items()}
+        """torch's state_dict, hooks included, with the page streams in each param's state
+        (new tensors: a snapshot, unlike torch's references to the live state)."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        self.state.sync()
+        index_of: dict[int, int] = {}
+        param_groups = []
+        start = 0
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            for offset, p in enumerate(group["params"]):
+                index_of.setdefault(id(p), start + offset)
+            packed["params"] = [index_of[id(p)] for p in group["params"]]
+            start += len(group["params"])
+            param_groups.append(packed)
+        packed_state: dict[Any, Any] = {}
+        for key, value in self.state.items():
+            if not isinstance(key, torch.Tensor):
+                packed_state[key] = value
+                continue
+            entry = dict(value.plain_items()) if isinstance(value, ParamState) else dict(value)
+            entry.update({name: self._read_state_tensor(key, name)
+                          for name in self._state_stream_keys(key)})
+            if entry:  # torch keeps no entry for a param without state
+                packed_state[index_of[id(key)]] = entry
+        state_dict = {"state": packed_state, "param_groups": param_groups}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         return state_dict
 
     def torch_state_dict(self) -> dict[str, Any]:
@@ -397,46 +539,105 @@ class PagedOptimizer(torch.optim.Optimizer):
         moments = self._all_moments()
         params = self._indexed_params()
         for index, value in state_dict["state"].items():
+            if not isinstance(index, int):
+                continue
             converted = {k: v for k, v in value.items()
                          if k not in state_format.all_stream_names(moments)}
+            p = params[index]
             for moment in self._moments():
                 spec = StreamSpec(moment.name, 4 * state_format.GROUP_SIZE, False, torch.float32)
-                tensor = state_format.convert_for_stream(spec, moments, value,
-                                                         params[index].numel())
+                tensor = state_format.convert_for_stream(spec, moments,
+                                                         {k: _as_real(v, moment.name)
+                                                          for k, v in value.items()
+                                                          if isinstance(v, torch.Tensor)},
+                                                         _state_numel(p))
                 if tensor is not None:
-                    converted[moment.name] = tensor.reshape(params[index].shape)
+                    tensor = tensor.reshape(_state_shape(p))
+                    converted[moment.name] = (torch.view_as_complex(tensor.contiguous())
+                                              if p.is_complex() else tensor)
             state_dict["state"][index] = converted
         return state_dict
 
-    def _state_stream_names(self) -> set[str]:
-        """The state_dict keys that hold page streams (scattered into the engine on load)."""
-        return state_format.all_stream_names(self._all_moments())
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        names = self._state_stream_names()
+        """torch's load_state_dict, hooks included. Page streams in any format convert to
+        this optimizer's; if anything in the state dict is wrong, nothing is changed."""
+        self.state.sync()
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        check_algorithm(self._kind, state_dict, type(self).__name__)
+        groups = self.param_groups
+        saved_groups = copy.deepcopy(state_dict["param_groups"])
+        if len(groups) != len(saved_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match "
+                             "the size of optimizer's group")
+        id_map = dict(zip(itertools.chain.from_iterable(g["params"] for g in saved_groups),
+                          itertools.chain.from_iterable(g["params"] for g in groups)))
+        index_of = {p: index for index, p in enumerate(self._indexed_params())}
+        stream_names = self._state_stream_names()
         streams: dict[int, dict[str, torch.Tensor]] = {}
-        stripped_state: dict[Any, dict[str, Any]] = {}
-        for index, value in state_dict["state"].items():
-            own = {k: v for k, v in value.items() if k in names and v is not None}
+        plain: dict[torch.Tensor, dict[Any, Any]] = {}
+        other: dict[Any, Any] = {}
+        for key, value in state_dict["state"].items():
+            if key not in id_map:
+                other[key] = value  # not a param's state: kept as is, as torch keeps it
+                continue
+            p = id_map[key]
+            own = {k: v for k, v in value.items() if k in stream_names and v is not None}
             if own:
-                streams[index] = own
-            stripped_state[index] = {k: v for k, v in value.items() if k not in names}
-        super().load_state_dict({**state_dict, "state": stripped_state})
-        # torch keeps 'step' as given; the engine needs a one-element float32 cpu tensor.
-        params = self._indexed_params()
-        index_of = {p: i for i, p in enumerate(params)}
-        for p in list(self.state):
-            value = {k: v for k, v in self.state[p].items() if k not in names}
-            step = value.get("step")
-            if step is None:
-                value["step"] = torch.tensor(self._default_step(index_of[p] in streams),
-                                             dtype=torch.float32, device=self._step_device(p))
-            elif not (isinstance(step, torch.Tensor) and step.dtype == torch.float32
-                      and step.device == self._step_device(p) and step.dim() == 0):
-                value["step"] = torch.tensor(float(step), dtype=torch.float32,
-                                             device=self._step_device(p))
-            self.state[p] = value
-        self._scatter_streams(streams)
+                streams[index_of[p]] = own
+            plain[p] = {k: (v if k == "step" or not isinstance(v, torch.Tensor) else
+                            torch.optim.Optimizer._process_value_according_to_param_policy(
+                                p, v, key, state_dict["param_groups"], k))
+                        for k, v in value.items() if k not in stream_names}
+        param_groups = []
+        for group, saved in zip(groups, saved_groups):
+            saved["params"] = group["params"]
+            if "param_names" in group and "param_names" not in saved:
+                saved["param_names"] = group["param_names"]
+            for name, default in self.defaults.items():
+                saved.setdefault(name, default)
+            torch_flags.normalize_loaded_group(saved, self.defaults)
+            self._group_hyperparameters(saved)  # a bad hyperparameter raises here
+            param_groups.append(saved)
+        before = dict(self.__dict__)
+        try:
+            self.param_groups = param_groups
+            self._on_groups_loaded()
+            self.state = StateMap(self)
+            for key, value in other.items():
+                self.state[key] = value
+            self._scatter_streams(streams)
+            for p, entries in plain.items():
+                self._load_plain_state(p, entries, index_of[p] in streams)
+        except BaseException:
+            self.__dict__.clear()
+            self.__dict__.update(before)
+            raise
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _on_groups_loaded(self) -> None:
+        """New param_groups replaced the old ones (subclasses drop what they derived)."""
+
+    def _load_plain_state(self, p: torch.Tensor, entries: dict[Any, Any],
+                          has_streams: bool) -> None:
+        """A loaded param's entries other than streams; its step as the engine needs it."""
+        param_state = self.state[p]
+        entries = dict(entries)
+        step = entries.pop("step", None)
+        if step is None:
+            step = self._default_step(has_streams)
+        param_state._plain.update(entries)
+        if self._step_in_state:
+            param_state._plain["step"] = step
+        else:
+            param_state.set_hidden_step(float(step))
+        self._step_counter(p)
 
     def _default_step(self, has_streams: bool) -> float:
         """Step of a param whose loaded state has none (torch.optim.SGD keeps no step)."""
@@ -445,32 +646,50 @@ class PagedOptimizer(torch.optim.Optimizer):
     # -- copies ----------------------------------------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "_options": self._options,
+        self.state.sync()
+        param_plain, hidden_steps, other = {}, {}, {}
+        for key, value in self.state.items():
+            if isinstance(value, ParamState):
+                param_plain[key] = value.plain_items()
+                if value._hidden_step is not None:
+                    hidden_steps[key] = value._hidden_step
+            else:
+                other[key] = value
+        return {"defaults": self.defaults, "param_groups": self.param_groups,
+                "_options": self._options, "_param_plain": param_plain,
+                "_hidden_steps": hidden_steps, "_other_state": other,
                 "_saved_streams": self._gather_streams()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        if "_options" not in state:
-            # torch's load_state_dict ends with __setstate__({'state', 'param_groups'});
-            # load_state_dict itself then rebuilds the engine.
-            super().__setstate__(state)
-            return
         state = dict(state)
         options = state.pop("_options")
         saved_streams = state.pop("_saved_streams")
-        super().__setstate__(state)
+        param_plain = state.pop("_param_plain")
+        hidden_steps = state.pop("_hidden_steps")
+        other = state.pop("_other_state")
+        super().__setstate__({**state, "state": {}})
         self._options = options
         self._engine = None
         self._slots = {}
+        self._page_bytes = None
         self._release_hooks = []
         self._released_this_round = set()
+        self.state = StateMap(self)
         params = self._indexed_params()
         self._device = params[0].device if params else None
         if options.release_grads:
-            for p in params:
+            release_guard.watch(self)
+            for p in dict.fromkeys(params):
                 if p.requires_grad:
                     self._release_hooks.append(
                         p.register_post_accumulate_grad_hook(self._step_released))
         self._scatter_streams(saved_streams)
+        for p, entries in param_plain.items():
+            self.state[p]._plain.update(entries)
+        for p, step in hidden_steps.items():
+            self.state[p]._hidden_step = step
+        for key, value in other.items():
+            self.state[key] = value
 
     # -- reports ---------------------------------------------------------------------------
 
@@ -510,7 +729,8 @@ class PagedOptimizer(torch.optim.Optimizer):
                         scale_bytes += size
                     else:
                         moment_bytes += size
-        step_bytes = 4 * sum(1 for v in self.state.values() if "step" in v)
+        step_bytes = 4 * sum(1 for v in self.state.values() if isinstance(v, ParamState)
+                             and (v._hidden_step is not None or "step" in v.plain_items()))
         state_bytes = page_bytes + step_bytes
         per_param = max(num_elements, 1)
         return {
@@ -524,7 +744,8 @@ class PagedOptimizer(torch.optim.Optimizer):
             "page_slack_bytes": page_bytes - moment_bytes - scale_bytes - residual_bytes,
             "num_pages": num_pages,
             "state_placement": placement,
-            "page_bytes": self._options.page_bytes,
+            "page_bytes": (self._page_bytes if self._page_bytes is not None
+                           else self._options.page_bytes),
             "num_elements": num_elements,
             "state_bytes_per_param": state_bytes / per_param,
             "total_bytes_per_param": (param_bytes + grad_bytes + state_bytes) / per_param,
@@ -540,6 +761,25 @@ class PagedOptimizer(torch.optim.Optimizer):
                     "hits": 0, "misses": 0, "hit_rate": 0.0, "bytes_read": {},
                     "bytes_written": {}, "stall_seconds": 0.0}
         return self._engine.paging_stats()
+
+
+def _state_numel(p: torch.Tensor) -> int:
+    """Elements of state per param: a complex param has two per element (its real view)."""
+    return p.numel() * (2 if p.is_complex() else 1)
+
+
+def _state_shape(p: torch.Tensor) -> torch.Size:
+    return torch.Size([*p.shape, 2]) if p.is_complex() else p.shape
+
+
+def _as_real(value: Any, where: str) -> torch.Tensor:
+    """A state tensor as the kernels hold it: dense, and real (a complex moment as its real
+    view, as torch.optim steps complex params)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{where} must be a Tensor, got {type(value).__name__}")
+    if value.is_sparse:
+        value = value.to_dense()  # torch.optim.SGD's momentum for sparse gradients
+    return torch.view_as_real(value) if value.is_complex() else value
 
 
 class _StepBatch:

@@ -25,7 +25,7 @@ class PagingOptions:
     offload: Optional[str] = None
     nvme_dir: Optional[str] = None
     cache_bytes: Optional[int] = None
-    page_bytes: int = 2 << 20
+    page_bytes: Optional[int] = None  # None: chosen for the model (paging.choose_page_bytes)
     prefetch: int = 4
     policy: str = "auto"
     release_grads: bool = False
@@ -49,10 +49,11 @@ class PagingOptions:
                 raise TypeError(f"cache_bytes must be an int (bytes), got "
                                 f"{type(self.cache_bytes).__name__}")
             check_non_negative(self.cache_bytes, "cache_bytes")
-        if (isinstance(self.page_bytes, bool) or not isinstance(self.page_bytes, int)
+        if self.page_bytes is not None and (
+                isinstance(self.page_bytes, bool) or not isinstance(self.page_bytes, int)
                 or self.page_bytes <= 0 or self.page_bytes % _PAGE_ALIGNMENT):
             raise ValueError(f"Invalid page_bytes: {self.page_bytes!r} "
-                             f"(expected a positive multiple of {_PAGE_ALIGNMENT})")
+                             f"(expected None or a positive multiple of {_PAGE_ALIGNMENT})")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) \
                 or self.prefetch < 0:
             raise ValueError(f"Invalid prefetch: {self.prefetch!r} (expected an int >= 0)")

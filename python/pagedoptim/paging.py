@@ -28,6 +28,15 @@ from pagedoptim._native import native
 from pagedoptim.options import PagingOptions
 
 DEFAULT_CACHE_BYTES = 1 << 30
+# Pages are at most this large when page_bytes is not given, and smaller when the state is:
+# unpaged state then costs its payload plus at most one partly filled page per kind.
+DEFAULT_PAGE_BYTES = 2 << 20
+PAGE_ALIGNMENT = 4096        # O_DIRECT and the native geometry need pages of whole 4 KiB
+_STREAM_ALIGNMENT = 64       # kStreamAlignment: each stream of a page starts on a cache line
+_GROUP_SIZE = 32
+# A paged cache holds at least this many pages of a chosen size: a batch being stepped and
+# the next ones coming in.
+MIN_CACHE_PAGES = 8
 
 _overrides: dict[str, Any] = {}
 
@@ -117,10 +126,56 @@ def store_options(options: PagingOptions, device: Optional[torch.device]) -> Opt
     return store
 
 
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _page_layout_bytes(streams: list[Any], groups: int) -> int:
+    """Bytes a page needs for `groups` groups of every stream (PageGeometry's layout)."""
+    size = 0
+    for stream in streams:
+        size = _round_up(size, _STREAM_ALIGNMENT) + stream.bytes_per_group * groups
+    return size
+
+
+def choose_page_bytes(options: PagingOptions, store: Optional[dict], kinds: list[list[Any]],
+                      planned: list[tuple[int, int]]) -> int:
+    """The page size: page_bytes when given; otherwise the smallest 4 KiB multiple that holds
+    the largest kind's whole state, at most DEFAULT_PAGE_BYTES, and for paged state at most
+    1/MIN_CACHE_PAGES of the cache. So a LoRA adapter's 3,584 params take one 8 KiB page,
+    not 2 MiB, and an optimizer per param costs each param its payload plus < 4 KiB.
+
+    kinds: the stream specs of each page kind; planned: (kind, elements) per param."""
+    if options.page_bytes is not None:
+        return options.page_bytes
+    groups = [0] * len(kinds)
+    for kind, numel in planned:
+        groups[kind] += -(-numel // _GROUP_SIZE)
+    needed = max((_page_layout_bytes(kinds[k], groups[k]) for k in range(len(kinds))
+                  if kinds[k] and groups[k]), default=0)
+    page = min(DEFAULT_PAGE_BYTES, _round_up(max(needed, 1), PAGE_ALIGNMENT))
+    if store is not None:
+        per_page = store["cache_bytes"] // MIN_CACHE_PAGES
+        page = min(page, max(PAGE_ALIGNMENT, per_page // PAGE_ALIGNMENT * PAGE_ALIGNMENT))
+    return page
+
+
+def _check_cache_holds_a_page(options: PagingOptions) -> None:
+    if options.cache_bytes is None:
+        return
+    smallest = options.page_bytes if options.page_bytes is not None else PAGE_ALIGNMENT
+    if options.cache_bytes < smallest:
+        what = (f"one page (page_bytes={options.page_bytes})" if options.page_bytes is not None
+                else f"one page ({PAGE_ALIGNMENT} bytes, the smallest page)")
+        raise ValueError(f"cache_bytes={options.cache_bytes} must hold at least {what}: the "
+                         "pages being stepped stay resident")
+
+
 def check_before_first_step(options: PagingOptions, device: Optional[torch.device]) -> None:
-    """The paging settings that can be checked at construction: the page file's directory
-    (it must exist and be writable), and on a GPU a cache that holds at least one page and
-    fits in the device's free memory."""
+    """The paging settings that can be checked at construction: a cache that holds at least
+    one page, the page file's directory (it must exist and be writable), and on a GPU a
+    cache that fits in the device's free memory."""
+    _check_cache_holds_a_page(options)
     offload = resolve_offload(options, device)
     if offload == "nvme":
         directory = os.fspath(options.nvme_dir) if options.nvme_dir is not None else \
@@ -135,9 +190,6 @@ def check_before_first_step(options: PagingOptions, device: Optional[torch.devic
     if offload is None or device is None or device.type != "cuda":
         return
     cache_bytes = options.cache_bytes if options.cache_bytes is not None else DEFAULT_CACHE_BYTES
-    if cache_bytes < options.page_bytes:
-        raise ValueError(f"cache_bytes={cache_bytes} must hold at least one page of "
-                         f"page_bytes={options.page_bytes} on {device}")
     free, _ = torch.cuda.mem_get_info(device)
     if cache_bytes > free:
         raise ValueError(f"cache_bytes={cache_bytes} is more than the {free} bytes free on "

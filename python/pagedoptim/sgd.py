@@ -6,6 +6,7 @@ from typing import Any, Iterable, Optional, Union
 
 import torch
 
+from pagedoptim import torch_flags
 from pagedoptim._validation import check_non_negative
 from pagedoptim.optimizer import PagedOptimizer
 from pagedoptim.options import PagingOptions
@@ -18,6 +19,9 @@ class SGD(PagedOptimizer):
 
     _kind = "sgd"
     _MOMENTUM = Moment("momentum_buffer", second=False)
+    # torch.optim.SGD's state holds only momentum_buffer; the step count that tells a first
+    # step (the buffer starts as the gradient) from later ones is kept out of sight.
+    _step_in_state = False
 
     def __init__(
         self,
@@ -34,13 +38,19 @@ class SGD(PagedOptimizer):
         offload: Optional[str] = None,
         nvme_dir: Optional[str] = None,
         cache_bytes: Optional[int] = None,
-        page_bytes: int = 2 << 20,
+        page_bytes: Optional[int] = None,
         prefetch: int = 4,
         policy: str = "auto",
         release_grads: bool = False,
+        foreach: Optional[bool] = None,
+        fused: Optional[bool] = None,
+        capturable: bool = False,
+        differentiable: bool = False,
     ) -> None:
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
                         weight_decay=weight_decay, nesterov=nesterov, maximize=maximize)
+        defaults.update(torch_flags.check_flags(
+            type(self).__name__, foreach, fused, capturable, differentiable, with_capturable=False))
         self._check_group(defaults)
         options = PagingOptions(state_bits=state_bits, master_bits=master_bits,
                                 offload=offload, nvme_dir=nvme_dir, cache_bytes=cache_bytes,
@@ -71,6 +81,19 @@ class SGD(PagedOptimizer):
 
     def _all_moments(self) -> list[Moment]:
         return [self._MOMENTUM]
+
+    def _dense_grad(self, p: torch.Tensor, grad: torch.Tensor,
+                    group: dict[str, Any]) -> torch.Tensor:
+        """torch.optim.SGD takes sparse gradients (nn.Embedding(sparse=True)): stepping their
+        dense form gives its result exactly, since absent rows add zero. Like torch, not
+        with weight decay, which would make a sparse gradient dense."""
+        if not grad.is_sparse:
+            return grad
+        if float(group["weight_decay"]) != 0.0:
+            raise RuntimeError("SGD with weight_decay does not support sparse gradients (as "
+                               "torch.optim.SGD: weight decay adds the dense param to the "
+                               f"gradient); param of shape {tuple(p.shape)} has one")
+        return grad.to_dense()
 
     def _native_step(self, *args: Any, **amp: Any) -> None:
         self._ensure_engine().step_sgd(*args, **amp)

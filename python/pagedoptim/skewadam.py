@@ -24,12 +24,13 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import torch
 
 from pagedoptim import state_format
+from pagedoptim import torch_flags
 from pagedoptim._validation import check_betas, check_non_negative
 from pagedoptim.optimizer import PagedOptimizer
 from pagedoptim.options import PagingOptions
 from pagedoptim.state_format import Moment, StreamSpec
 from pagedoptim.tiers import (BACKBONE, EXPERTS, ROUTER, TIERS, check_tier,
-                              compile_tier_patterns, tier_of_name)
+                              compile_tier_patterns, names_by_param, tier_of_name)
 
 FACTORS = "exp_avg_sq_factors"
 ROW = "exp_avg_sq_row"
@@ -67,15 +68,25 @@ def layout_of(p: torch.Tensor, tier: str) -> ParamLayout:
     return ParamLayout(tier, True, momentum, int(experts), int(rows), int(cols))
 
 
-def check_param_for_tier(p: torch.Tensor, tier: str, where: str) -> None:
+def check_param_for_tier(p: torch.Tensor, tier: str, where: str, named: bool) -> None:
+    if p.is_complex():
+        raise ValueError(f"{where} is complex ({p.dtype}); SkewAdam's factored statistics are "
+                         "for real params (pagedoptim.AdamW takes complex params)")
     if p.dim() > 3:
         raise ValueError(f"{where} has {p.dim()} dimensions; SkewAdam takes 0-D to 2-D "
                          "parameters and [experts, rows, cols] expert tensors")
     if p.dim() == 3 and tier != EXPERTS:
+        if named:
+            how = ("name it so the tier patterns see an 'experts' component, or give its "
+                   "group tier='experts'")
+        else:
+            # A 3-D tensor is evidently an MoE model's, and then unnamed 2-D tensors are
+            # ambiguous too: the router cannot be told from a dense weight by its shape.
+            how = ("unnamed parameters (as Trainer passes them) cannot be put in tiers: pass "
+                   "names_from=model so the tiers come from model.named_parameters(), give "
+                   "model.named_parameters() itself, or give each group a tier")
         raise ValueError(f"{where} is 3-D {tuple(p.shape)} but in tier '{tier}': only the "
-                         "'experts' tier takes [experts, rows, cols] tensors (name it so the "
-                         "tier patterns see an 'experts' component, or give its group "
-                         "tier='experts')")
+                         f"'experts' tier takes [experts, rows, cols] tensors ({how})")
 
 
 class SkewAdam(PagedOptimizer):
@@ -85,6 +96,12 @@ class SkewAdam(PagedOptimizer):
     names), plain parameters, or groups; a group may set tier='backbone'|'experts'|'router'
     for all of its parameters. tiers: None for the default name patterns, or a mapping
     {'router': patterns, 'experts': patterns} replacing them (pagedoptim.tiers).
+    names_from: the model the parameters belong to. Unnamed parameters (Trainer's and
+    accelerate's groups of plain tensors) then take their names, and so their tiers, from
+    model.named_parameters(), exactly as if those pairs had been given; a parameter the
+    model does not have raises. Without it, unnamed parameters are backbone, and a 3-D one
+    raises (see check_param_for_tier). (Not `model=`: Trainer takes a `model` keyword
+    argument as the optimizer's params, LOMO's convention, and drops it.)
     eps is added to g^2 (Adafactor's eps1, hence the tiny default), not to the denominator.
     """
 
@@ -101,19 +118,27 @@ class SkewAdam(PagedOptimizer):
         weight_decay: float = 0.0,
         *,
         tiers: Optional[Mapping[str, Any]] = None,
+        names_from: Optional[torch.nn.Module] = None,
         state_bits: int = 8,
         master_bits: Optional[int] = 24,
         offload: Optional[str] = None,
         nvme_dir: Optional[str] = None,
         cache_bytes: Optional[int] = None,
-        page_bytes: int = 2 << 20,
+        page_bytes: Optional[int] = None,
         prefetch: int = 4,
         policy: str = "auto",
         release_grads: bool = False,
+        foreach: Optional[bool] = None,
+        fused: Optional[bool] = None,
+        capturable: bool = False,
+        differentiable: bool = False,
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        defaults.update(torch_flags.check_flags(
+            type(self).__name__, foreach, fused, capturable, differentiable))
         self._check_group(defaults)
         self._tier_patterns = compile_tier_patterns(tiers)
+        self._model_names = names_by_param(names_from)
         self._factor_slots: dict[torch.Tensor, int] = {}
         self._layouts: Optional[dict[torch.Tensor, ParamLayout]] = None
         self._batch_layouts: list[tuple[int, int, int, int, bool]] = []
@@ -149,7 +174,7 @@ class SkewAdam(PagedOptimizer):
         entries = [params] if isinstance(params, torch.Tensor) else params
         resolved: list[str] = []
         if not isinstance(entries, (set, frozenset)):  # the base class rejects sets
-            entries = list(entries)
+            entries = self._named_from_model(list(entries))
             for index, entry in enumerate(entries):
                 name, p = entry if isinstance(entry, tuple) else (None, entry)
                 if explicit is not None:
@@ -160,12 +185,29 @@ class SkewAdam(PagedOptimizer):
                     tier = BACKBONE
                 if isinstance(p, torch.Tensor):
                     where = f"param '{name}'" if name is not None else f"params[{index}]"
-                    check_param_for_tier(p, tier, where)
+                    check_param_for_tier(p, tier, where, named=name is not None)
                 resolved.append(tier)
         super().add_param_group({**param_group, "params": entries})
         # Kept in the group, so state_dict() records which layout the state has.
         self.param_groups[-1]["param_tiers"] = resolved
         self._layouts = None
+
+    def _named_from_model(self, entries: list[Any]) -> list[Any]:
+        """The entries, with each unnamed parameter paired with its name in names_from."""
+        names = self._model_names
+        if names is None:
+            return entries
+        named = []
+        for index, entry in enumerate(entries):
+            if isinstance(entry, torch.Tensor):
+                if entry not in names:
+                    raise ValueError(f"params[{index}] (shape {tuple(entry.shape)}) is not a "
+                                     "parameter of the module given as names_from=, so it has "
+                                     "no name to take its tier from: give it as a (name, param) "
+                                     "pair or in a group with a tier")
+                entry = (names[entry], entry)
+            named.append(entry)
+        return named
 
     def _layout(self, p: torch.Tensor) -> ParamLayout:
         if self._layouts is None:
@@ -229,9 +271,6 @@ class SkewAdam(PagedOptimizer):
                       group_id: int, **tensors: Optional[torch.Tensor]) -> None:
         if not batch.params:
             self._batch_layouts = []
-        if grad.shape != p.shape:
-            raise ValueError(f"grad of shape {tuple(grad.shape)} does not match its param of "
-                             f"shape {tuple(p.shape)}")
         super()._add_to_batch(batch, p, grad, group_id, **tensors)
         layout = self._layout(p)
         self._batch_layouts.append((self._factor_slots[p], layout.experts, layout.rows,
@@ -253,22 +292,70 @@ class SkewAdam(PagedOptimizer):
     def _state_stream_names(self) -> set[str]:
         return super()._state_stream_names() | {ROW, COL}
 
-    def _gather_streams(self) -> dict[int, dict[str, torch.Tensor]]:
-        gathered = super()._gather_streams()
-        if self._engine is None:
-            return gathered
-        for index, p in enumerate(self._indexed_params()):
-            slot = self._factor_slots.get(p, -1)
-            if slot < 0:
-                continue
+    def _state_stream_keys(self, p: torch.Tensor) -> list[str]:
+        keys = super()._state_stream_keys(p)
+        if self._engine is not None and self._factor_slots.get(p, -1) >= 0:
+            keys += [ROW, COL]
+        return keys
+
+    def _factors(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row and column means of p's factored second moment (new tensors), each
+        [experts, n] for a 3-D expert tensor and flat otherwise."""
+        layout = self._layout(p)
+        values = self._engine.read_stream(self._factor_slots[p], FACTORS).view(torch.float32)
+        split = layout.experts * layout.rows
+        row, col = values[:split], values[split:]
+        if p.dim() == 3:
+            row, col = row.view(layout.experts, -1), col.view(layout.experts, -1)
+        return row, col
+
+    def _read_state_tensor(self, p: torch.Tensor, key: str) -> torch.Tensor:
+        if key in (ROW, COL):
+            row, col = self._factors(p)
+            return row if key == ROW else col
+        return super()._read_state_tensor(p, key)
+
+    def _write_state_tensor(self, p: torch.Tensor, key: str, value: torch.Tensor) -> None:
+        if key not in (ROW, COL):
+            super()._write_state_tensor(p, key, value)
+            return
+        self._slot(p)
+        if self._factor_slots.get(p, -1) < 0:
+            raise ValueError(f"optimizer.state[param][{key!r}]: this param's "
+                             f"'{self._layout(p).tier}' tier keeps no factored second moment")
+        row, col = self._factors(p)
+        given = {ROW: row, COL: col, key: value}
+        self._write_factors(p, given[ROW], given[COL], f"optimizer.state[param][{key!r}]")
+
+    def _write_factors(self, p: torch.Tensor, row: torch.Tensor, col: torch.Tensor,
+                       where: str) -> None:
+        layout = self._layout(p)
+        if (row.numel() != layout.experts * layout.rows
+                or col.numel() != layout.experts * layout.cols):
+            raise ValueError(f"{where}: '{ROW}' / '{COL}' have {row.numel()} / {col.numel()} "
+                             f"elements, expected {layout.experts * layout.rows} / "
+                             f"{layout.experts * layout.cols}")
+        values = torch.cat([row.detach().reshape(-1).cpu(), col.detach().reshape(-1).cpu()])
+        raw = values.to(dtype=torch.float32).contiguous()
+        self._engine.write_stream(self._factor_slots[p], FACTORS, raw.view(torch.uint8))
+
+    def _reset_param_state(self, p: torch.Tensor) -> None:
+        super()._reset_param_state(p)
+        slot = self._factor_slots.get(p, -1) if self._engine is not None else -1
+        if slot >= 0:
+            size = self._engine.stream_bytes(slot, FACTORS)
+            self._engine.write_stream(slot, FACTORS, torch.zeros(size, dtype=torch.uint8))
+
+    def _planned_state(self) -> list[tuple[int, int]]:
+        planned = super()._planned_state()
+        for p in dict.fromkeys(self._indexed_params()):
             layout = self._layout(p)
-            values = self._engine.read_stream(slot, FACTORS).view(torch.float32)
-            split = layout.experts * layout.rows
-            row, col = values[:split], values[split:]
-            if p.dim() == 3:
-                row, col = row.view(layout.experts, -1), col.view(layout.experts, -1)
-            gathered.setdefault(index, {}).update({ROW: row, COL: col})
-        return gathered
+            if layout.factored:
+                planned.append((_FACTOR_KIND, layout.factor_numel))
+        return planned
+
+    def _on_groups_loaded(self) -> None:
+        self._layouts = None
 
     def _scatter_streams(self, streams: dict[int, dict[str, torch.Tensor]]) -> None:
         self._factor_slots = {}
@@ -280,35 +367,25 @@ class SkewAdam(PagedOptimizer):
         for index in sorted(streams):
             p = params[index]
             self._slot(p)
-            slot = self._factor_slots[p]
-            if slot < 0:
+            if self._factor_slots[p] < 0:
                 continue
-            layout = self._layout(p)
             given = streams[index]
             if ROW not in given or COL not in given:
                 raise ValueError(f"state for param {index} has no '{ROW}' / '{COL}': its "
-                                 f"'{layout.tier}' tier keeps a factored second moment")
-            row, col = given[ROW], given[COL]
-            if (row.numel() != layout.experts * layout.rows
-                    or col.numel() != layout.experts * layout.cols):
-                raise ValueError(f"state '{ROW}' / '{COL}' of param {index} has "
-                                 f"{row.numel()} / {col.numel()} elements, expected "
-                                 f"{layout.experts * layout.rows} / "
-                                 f"{layout.experts * layout.cols}")
-            values = torch.cat([row.detach().reshape(-1), col.detach().reshape(-1)])
-            raw = values.to(device="cpu", dtype=torch.float32).contiguous()
-            self._engine.write_stream(slot, FACTORS, raw.view(torch.uint8))
+                                 f"'{self._layout(p).tier}' tier keeps a factored second "
+                                 "moment")
+            self._write_factors(p, given[ROW], given[COL], f"state for param {index}")
 
     def __getstate__(self) -> dict[str, Any]:
+        # names_from is not kept: it named the parameters already in the groups.
         return {**super().__getstate__(), "_tier_patterns": self._tier_patterns}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
-        if "_tier_patterns" in state:
-            # A copy: the base class rebuilds the engine from the saved streams, which needs
-            # these before it runs.
-            self._tier_patterns = state.pop("_tier_patterns")
-            self._batch_layouts = []
+        # The base class rebuilds the engine from the saved streams, which needs these.
+        self._tier_patterns = state.pop("_tier_patterns")
+        self._batch_layouts = []
+        self._model_names = None
         self._factor_slots = {}
         self._layouts = None
         super().__setstate__(state)
@@ -336,7 +413,7 @@ class SkewAdam(PagedOptimizer):
                 factor_bytes = self._engine.stream_bytes(factor_slot, FACTORS)
                 factor_total += factor_bytes
                 state_bytes += factor_bytes
-            if "step" in self.state.get(p, {}):
+            if "step" in self.state.get(p, {}):  # dict.get: no entry is made for p
                 state_bytes += 4
             params[name] = {"tier": layout.tier, "shape": tuple(p.shape),
                             "second_moment": "factored" if layout.factored else "exact",

@@ -10,7 +10,8 @@ for each (docs/skewadam.md):
   router    the gate that picks the experts, small and sensitive to noise
 
 A parameter's tier comes from its group's ``tier`` key when the group has one, otherwise
-from its name (``named_parameters()``): the first tier, router then experts, with a pattern
+from its name (``named_parameters()``, or SkewAdam's ``names_from=model`` for parameters given
+without names): the first tier, router then experts, with a pattern
 that ``re.search``-es the name; everything else is backbone. The defaults recognize the
 naming of transformers' Mixtral (``mlp.gate`` / ``block_sparse_moe.gate``,
 ``mlp.experts.gate_up_proj`` / ``block_sparse_moe.experts.N.w1``), Qwen2-MoE (``mlp.gate``,
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import re
 from typing import Any, Mapping, Optional
+
+import torch
 
 BACKBONE = "backbone"
 EXPERTS = "experts"
@@ -84,3 +87,15 @@ def tier_of_name(name: str, patterns: Mapping[str, tuple[re.Pattern[str], ...]])
         if any(pattern.search(name) for pattern in patterns[tier]):
             return tier
     return BACKBONE
+
+
+def names_by_param(model: Optional[torch.nn.Module]) -> Optional[dict[torch.Tensor, str]]:
+    """Each parameter of `model` (the `model` argument) mapped to its name, so parameters
+    handed over without names (Trainer's groups) can still be put in tiers by name."""
+    if model is None:
+        return None
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"names_from must be a torch.nn.Module (the model whose parameters are "
+                        f"optimized), got {type(model).__name__}")
+    # Tied weights appear once, under their first name, as in named_parameters().
+    return {p: name for name, p in model.named_parameters()}

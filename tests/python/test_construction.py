@@ -200,21 +200,10 @@ def test_non_leaf_tensor_is_rejected(name):
 
 
 @pytest.mark.parametrize("name", ALL)
-@pytest.mark.parametrize("layout", ["same_group", "across_groups"])
-def test_duplicate_param_is_rejected(name, layout):
+def test_param_in_two_groups_is_rejected_as_torch_does(name):
     p, q = make_params([(3,), (5,)])
-    groups = [p, q, p] if layout == "same_group" else [{"params": [p, q]}, {"params": [p]}]
-    with pytest.raises(ValueError):
-        OURS[name](groups)
-
-
-@pytest.mark.parametrize("name", ALL)
-def test_complex_params_are_rejected(name):
-    c = nn.Parameter(torch.randn(4, dtype=torch.complex64))
-    with pytest.raises(ValueError) as info:
-        OURS[name]([one_param(), c])
-    msg = str(info.value)
-    assert "params" in msg and "complex" in msg.lower(), msg
+    with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
+        OURS[name]([{"params": [p, q]}, {"params": [p]}])
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -229,7 +218,7 @@ def test_params_on_different_devices_are_rejected(name, layout):
     assert "cpu" in msg and "meta" in msg, msg
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", ["AdamW", "Lion"])  # SGD takes them, as torch's does
 def test_sparse_grad_fails_at_step(name):
     p = one_param()
     before = p.detach().clone()

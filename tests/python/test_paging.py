@@ -350,7 +350,7 @@ def test_an_unwritable_nvme_dir_is_reported_at_construction(tmp_path, monkeypatc
 
 @pytest.mark.parametrize("kw", [
     dict(offload="host"), dict(offload="nvme"), dict(cache_bytes=4096), dict(offload="host",
-    cache_bytes=0, prefetch=0, policy="lru"), dict(offload="nvme", policy="plan", prefetch=9)])
+    cache_bytes=4096, prefetch=0, policy="lru"), dict(offload="nvme", policy="plan", prefetch=9)])
 def test_paging_arguments_are_accepted(kw):
     p = torch.randn(100, requires_grad=True)
     opt = po.AdamW([p], page_bytes=PAGE, **kw)

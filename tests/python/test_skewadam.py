@@ -232,7 +232,9 @@ def test_explicit_tiers_and_patterns():
 
 @pytest.mark.parametrize("build,match", [
     (lambda p3, p2: po.SkewAdam([{"params": [p2], "tier": "dense"}]), "Invalid tier"),
-    (lambda p3, p2: po.SkewAdam([p3]), r"params\[0\] is 3-D .* in tier 'backbone'"),
+    (lambda p3, p2: po.SkewAdam([p3]), r"params\[0\] is 3-D .* in tier 'backbone'.*names_from=model"),
+    (lambda p3, p2: po.SkewAdam([p2, p3], names_from=torch.nn.ParameterDict({"w": p2})),
+     r"params\[1\] \(shape \(2, 3, 4\)\) is not a parameter of the module given as names_from="),
     (lambda p3, p2: po.SkewAdam([("layers.0.mlp.gate.weight", p3)]),
      "param 'layers.0.mlp.gate.weight' is 3-D"),
     (lambda p3, p2: po.SkewAdam([torch.nn.Parameter(torch.zeros(2, 2, 2, 2))]),
@@ -240,8 +242,8 @@ def test_explicit_tiers_and_patterns():
     (lambda p3, p2: po.SkewAdam([p2], tiers={"backbone": "x"}), "Invalid tiers key"),
     (lambda p3, p2: po.SkewAdam([p2], tiers={"experts": "("}), r"Invalid tiers\['experts'\]"),
     (lambda p3, p2: po.SkewAdam([p2], eps=0.0), "Invalid eps"),
-    (lambda p3, p2: po.SkewAdam([p2], betas=(0.9, 1.0)), r"Invalid betas\[1\]"),
-    (lambda p3, p2: po.SkewAdam([p2], lr=-1.0), "Invalid lr"),
+    (lambda p3, p2: po.SkewAdam([p2], betas=(0.9, 1.0)), "Invalid beta parameter at index 1"),
+    (lambda p3, p2: po.SkewAdam([p2], lr=-1.0), "Invalid learning rate"),
     (lambda p3, p2: po.SkewAdam([p2], state_bits=4), "Invalid state_bits"),
 ])
 def test_bad_input_names_the_argument(build, match):
@@ -249,6 +251,28 @@ def test_bad_input_names_the_argument(build, match):
     p2 = torch.nn.Parameter(torch.zeros(3, 4))
     with pytest.raises(ValueError, match=match):
         build(p3, p2)
+
+
+def test_names_from_must_be_a_module():
+    with pytest.raises(TypeError, match="names_from must be a torch.nn.Module"):
+        po.SkewAdam([torch.nn.Parameter(torch.zeros(3))], names_from={"w": 1})
+
+
+def test_names_from_names_unnamed_params_as_named_parameters_would():
+    # Trainer's route: groups of plain tensors, named through names_from=.
+    moe = torch.nn.Module()
+    moe.experts = torch.nn.Parameter(torch.randn(2, 3, 4))
+    moe.gate = torch.nn.Linear(4, 2)
+    moe.proj = torch.nn.Linear(4, 4)
+    by_name = po.SkewAdam(list(moe.named_parameters()))
+    groups = [{"params": [moe.experts, moe.gate.weight, moe.proj.weight], "weight_decay": 0.1},
+              {"params": [moe.gate.bias, moe.proj.bias], "weight_decay": 0.0}]
+    by_model = po.SkewAdam(groups, names_from=moe)
+    assert by_model.param_tiers() == {name: by_name.param_tiers()[name]
+                                      for name in by_model.param_tiers()}
+    assert by_model.param_tiers()["experts"] == "experts"
+    assert by_model.param_tiers()["gate.weight"] == "router"
+    assert by_model.param_tiers()["proj.weight"] == "backbone"
 
 
 def test_state_dict_with_missing_factors_is_rejected():

@@ -1,0 +1,169 @@
+"""The PAGEDOPTIM* environment variables: the one-flag switch and the paging settings.
+
+    PAGEDOPTIM=1                     torch.optim's classes resolve to ours (see pagedoptim.patch)
+    PAGEDOPTIM_OFFLOAD=host|nvme|none
+    PAGEDOPTIM_NVME_DIR=/path
+    PAGEDOPTIM_CACHE_BYTES=4GiB      plain bytes or a size: 512MiB, 4GiB, 2GB, 1.5GiB
+    PAGEDOPTIM_STATE_BITS=8|32
+    PAGEDOPTIM_MASTER_BITS=24|32|none
+    PAGEDOPTIM_PAGE_BYTES=2MiB
+    PAGEDOPTIM_PREFETCH=4
+    PAGEDOPTIM_POLICY=auto|lru|plan
+    PAGEDOPTIM_RELEASE_GRADS=0|1
+
+Each value is parsed here and every error names the variable and what it expects. Any other
+PAGEDOPTIM_* variable is a typo unless the build, the scripts or the native library read it
+(RESERVED): a misspelt setting that were ignored would silently train with the default.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fractions
+import os
+import re
+from typing import Any, Callable, Mapping, Optional
+
+from pagedoptim.options import PagingOptions
+
+FLAG = "PAGEDOPTIM"
+PREFIX = FLAG + "_"
+
+# PAGEDOPTIM_* names read elsewhere: setup.py and CMake (build options), scripts/ (GPU
+# checks), the native library (PAGEDOPTIM_CPU_ISA, PAGEDOPTIM_CUDA_DEBUG_SYNC) and
+# pagedoptim.paging (PAGEDOPTIM_IO_BACKEND). test_one_flag.py greps the repository so a new
+# one cannot be added without listing it here.
+RESERVED = frozenset({
+    "PAGEDOPTIM_BUILD_DIR", "PAGEDOPTIM_BUILD_PYTHON", "PAGEDOPTIM_BUILD_TESTS",
+    "PAGEDOPTIM_CCACHE", "PAGEDOPTIM_CMAKE_ARGS", "PAGEDOPTIM_CPU_ISA",
+    "PAGEDOPTIM_CUDA_ARCHITECTURES", "PAGEDOPTIM_CUDA_ARCHS", "PAGEDOPTIM_CUDA_BUILD_DIR",
+    "PAGEDOPTIM_CUDA_DEBUG_SYNC", "PAGEDOPTIM_CUDA_TORCH", "PAGEDOPTIM_CUDA_VENV",
+    "PAGEDOPTIM_GPU_CHECK_BUDGET", "PAGEDOPTIM_HAVE_IO_URING", "PAGEDOPTIM_IO_BACKEND",
+    "PAGEDOPTIM_LIBURING", "PAGEDOPTIM_LIBURING_FOUND", "PAGEDOPTIM_LIBURING_INCLUDE_DIR",
+    "PAGEDOPTIM_LIBURING_LIBRARY", "PAGEDOPTIM_SANITIZE", "PAGEDOPTIM_TORCH_CUDA_VERSION",
+    "PAGEDOPTIM_TORCH_PYTHON_LIBRARY", "PAGEDOPTIM_WITH_CUDA", "PAGEDOPTIM_WITH_IO_URING",
+})
+
+_ON = ("1", "true", "yes", "on")
+_OFF = ("0", "false", "no", "off", "")
+_NONE = "none"
+
+# Binary units are what memory is counted in; decimal ones are accepted with their SI
+# meaning rather than guessed to be binary.
+_SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
+               "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_SIZE = re.compile(r"(\d+(?:\.\d*)?)\s*([a-z]*)")
+
+
+class EnvironmentSettingError(ValueError):
+    """A PAGEDOPTIM* environment variable that cannot be used; the message names it."""
+
+
+def _bad(variable: str, value: str, expected: str) -> EnvironmentSettingError:
+    return EnvironmentSettingError(f"{variable}={value!r}: expected {expected}")
+
+
+def _parse_bool(variable: str, value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in _ON:
+        return True
+    if lowered in _OFF:
+        return False
+    raise _bad(variable, value, f"one of {', '.join(_ON)} (on) or {', '.join(_OFF[:-1])} (off)")
+
+
+def _parse_size(variable: str, value: str) -> int:
+    match = _SIZE.fullmatch(value.strip().lower())
+    multiplier = _SIZE_UNITS.get(match.group(2)) if match else None
+    if multiplier is None:
+        raise _bad(variable, value, "a number of bytes or a size such as 512MiB, 4GiB or 2GB")
+    size = fractions.Fraction(match.group(1)) * multiplier
+    if size.denominator != 1:
+        raise _bad(variable, value, "a whole number of bytes")
+    return int(size)
+
+
+def _parse_int(variable: str, value: str) -> int:
+    try:
+        return int(value.strip())
+    except ValueError:
+        raise _bad(variable, value, "an integer") from None
+
+
+def _choice(*choices: Optional[Any]) -> Callable[[str, str], Any]:
+    """A parser for one of `choices`; None is spelt 'none', ints are compared as ints."""
+    spelt = {(_NONE if c is None else str(c)): c for c in choices}
+
+    def parse(variable: str, value: str) -> Any:
+        key = value.strip().lower()
+        if key not in spelt:
+            raise _bad(variable, value, "one of " + ", ".join(spelt))
+        return spelt[key]
+    return parse
+
+
+def _parse_path(variable: str, value: str) -> str:
+    if not value.strip():
+        raise _bad(variable, value, "a directory path")
+    return value
+
+
+# Variable suffix -> (PagingOptions field, parser). The choices repeat PagingOptions' own,
+# which validates them again; here the error can name the variable.
+_SETTINGS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
+    "OFFLOAD": ("offload", _choice(None, "host", "nvme")),
+    "NVME_DIR": ("nvme_dir", _parse_path),
+    "CACHE_BYTES": ("cache_bytes", _parse_size),
+    "STATE_BITS": ("state_bits", _choice(8, 32)),
+    "MASTER_BITS": ("master_bits", _choice(24, 32, None)),
+    "PAGE_BYTES": ("page_bytes", _parse_size),
+    "PREFETCH": ("prefetch", _parse_int),
+    "POLICY": ("policy", _choice("auto", "lru", "plan")),
+    "RELEASE_GRADS": ("release_grads", _parse_bool),
+}
+SETTING_VARIABLES = tuple(PREFIX + suffix for suffix in _SETTINGS)
+
+
+def flag_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether PAGEDOPTIM asks for the patch (1/true/yes/on; unset, 0/false/no/off: not)."""
+    value = environ.get(FLAG)
+    return value is not None and _parse_bool(FLAG, value)
+
+
+def settings_from_environment(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """The paging keyword arguments set by PAGEDOPTIM_* variables, each parsed and checked
+    (an unknown PAGEDOPTIM_* variable raises, naming the closest known one). Whether they
+    fit together is for the caller to check, after merging its own arguments: see
+    check_together()."""
+    known = set(SETTING_VARIABLES) | RESERVED
+    settings: dict[str, Any] = {}
+    for variable in sorted(environ):
+        if not variable.startswith(PREFIX):
+            continue
+        if variable not in known:
+            close = difflib.get_close_matches(variable, SETTING_VARIABLES, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise EnvironmentSettingError(
+                f"Unknown environment variable {variable}{hint}: PagedOptim reads "
+                f"{', '.join(SETTING_VARIABLES)}; unset it so that no setting is silently "
+                "ignored")
+        if variable in RESERVED:
+            continue
+        field, parse = _SETTINGS[variable[len(PREFIX):]]
+        settings[field] = parse(variable, environ[variable])
+    return settings
+
+
+def check_together(from_environment: Mapping[str, Any], overrides: Mapping[str, Any]) -> None:
+    """Raises if the settings from the environment, with `overrides` on top, do not fit
+    together (prefetch without paging, say); the message names the variables."""
+    try:
+        PagingOptions(**{**from_environment, **overrides})
+    except ValueError as error:
+        if not from_environment:
+            raise
+        names = ", ".join(PREFIX + suffix for suffix, (field, _) in _SETTINGS.items()
+                          if field in from_environment)
+        source = f"the environment ({names})" + (" and the arguments" if overrides else "")
+        raise EnvironmentSettingError(
+            f"The PagedOptim settings from {source} do not fit together: {error}") from error

@@ -1,0 +1,71 @@
+"""pagedoptim.patch() / unpatch(): torch.optim's optimizer names resolve to ours.
+
+    PAGEDOPTIM=1 python train.py        # the startup hook calls patch_from_environment()
+    pagedoptim.patch(state_bits=32)     # the same from code
+
+Only the names in torch.optim are replaced (torch.optim.AdamW, and so
+`from torch.optim import AdamW` after the patch); torch's own modules keep their references
+(torch.optim.adamw.AdamW is still torch's class). See pagedoptim.stand_ins for what the
+replacements accept.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagedoptim import env_settings, paging_kwargs, stand_ins
+
+# torch.optim name -> the stand-in that replaces it. Lion and SkewAdam have no torch name.
+STAND_INS: dict[str, type] = {"AdamW": stand_ins.AdamW, "Adam": stand_ins.Adam,
+                              "SGD": stand_ins.SGD}
+
+# torch.optim's own classes, captured when this module is first imported: the patch never
+# runs before that, so they are torch's even if patch() was called since.
+_TORCH_CLASSES: dict[str, type] = {name: getattr(torch.optim, name) for name in STAND_INS}
+_patched = False
+
+
+def torch_class(name: str) -> type:
+    """torch.optim's own class for `name` ('AdamW', 'Adam', 'SGD'), patched or not."""
+    return _TORCH_CLASSES[name]
+
+
+def is_patched() -> bool:
+    return _patched
+
+
+def patch(**overrides: Any) -> None:
+    """Makes torch.optim.AdamW, Adam and SGD build pagedoptim optimizers.
+
+    `overrides` are paging keyword arguments (state_bits=..., offload=..., ...); they win
+    over the PAGEDOPTIM_* environment variables, which win over the optimizers' defaults.
+    Calling it again replaces the settings; unpatch() restores torch's classes.
+    """
+    global _patched
+    from_environment = env_settings.settings_from_environment()
+    paging_kwargs.check_names(overrides, "pagedoptim.patch()")
+    env_settings.check_together(from_environment, overrides)
+    stand_ins.use_paging_settings({**from_environment, **overrides})
+    for name, stand_in in STAND_INS.items():
+        setattr(torch.optim, name, stand_in)
+    _patched = True
+
+
+def unpatch() -> None:
+    """Restores torch.optim's own classes (a no-op when not patched). Optimizers built while
+    patched stay pagedoptim optimizers."""
+    global _patched
+    for name, torch_cls in _TORCH_CLASSES.items():
+        setattr(torch.optim, name, torch_cls)
+    stand_ins.use_paging_settings({})
+    _patched = False
+
+
+def patch_from_environment() -> bool:
+    """patch() if PAGEDOPTIM asks for it; returns whether it did."""
+    if not env_settings.flag_enabled():
+        return False
+    patch()
+    return True
