@@ -364,3 +364,20 @@ def test_grad_scaler_tensors_reach_the_engine(fresh_dynamo):
 
     with pytest.raises(ValueError, match="found_inf and grad_scale are taken by steps of CUDA"):
         torch.compile(scaler_step, fullgraph=True)()
+
+
+def test_param_given_twice_steps_twice_under_compile(fresh_dynamo):
+    """A param given twice in a group is stepped twice, as the eager step (and torch) does:
+    the op hands it to the same round-by-round code."""
+    compiled_params, eager_params = _make_params("adamw-8bit")[:3], _make_params("adamw-8bit")[:3]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns about the duplicate, as it should
+        compiled_opt = po.AdamW(compiled_params + compiled_params[:1], lr=1e-2)
+        eager_opt = po.AdamW(eager_params + eager_params[:1], lr=1e-2)
+    step = torch.compile(compiled_opt.step, fullgraph=True)
+    for index in range(3):
+        _set_grads(index, compiled_params, eager_params)
+        step()
+        eager_opt.step()
+    assert compiled_opt.state[compiled_params[0]]["step"] == 6
+    _assert_identical(compiled_opt, eager_opt, compiled_params, eager_params)
