@@ -19,12 +19,11 @@ PAGEDOPTIM_* variable is a typo unless the build, the scripts or the native libr
 from __future__ import annotations
 
 import difflib
-import fractions
 import os
-import re
 from typing import Any, Callable, Mapping, Optional
 
 from pagedoptim.options import PagingOptions
+from pagedoptim.setting_text import parse_bool, parse_byte_size, parse_int
 
 FLAG = "PAGEDOPTIM"
 PREFIX = FLAG + "_"
@@ -44,15 +43,7 @@ RESERVED = frozenset({
     "PAGEDOPTIM_TORCH_PYTHON_LIBRARY", "PAGEDOPTIM_WITH_CUDA", "PAGEDOPTIM_WITH_IO_URING",
 })
 
-_ON = ("1", "true", "yes", "on")
-_OFF = ("0", "false", "no", "off", "")
 _NONE = "none"
-
-# Binary units are what memory is counted in; decimal ones are accepted with their SI
-# meaning rather than guessed to be binary.
-_SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
-               "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_SIZE = re.compile(r"(\d+(?:\.\d*)?)\s*([a-z]*)")
 
 
 class EnvironmentSettingError(ValueError):
@@ -63,31 +54,19 @@ def _bad(variable: str, value: str, expected: str) -> EnvironmentSettingError:
     return EnvironmentSettingError(f"{variable}={value!r}: expected {expected}")
 
 
-def _parse_bool(variable: str, value: str) -> bool:
-    lowered = value.strip().lower()
-    if lowered in _ON:
-        return True
-    if lowered in _OFF:
-        return False
-    raise _bad(variable, value, f"one of {', '.join(_ON)} (on) or {', '.join(_OFF[:-1])} (off)")
+def _parsed_by(parse: Callable[[str], Any]) -> Callable[[str, str], Any]:
+    """A setting_text parser whose error names the variable and its value."""
+    def parse_variable(variable: str, value: str) -> Any:
+        try:
+            return parse(value)
+        except ValueError as error:
+            raise _bad(variable, value, str(error).removeprefix("expected ")) from None
+    return parse_variable
 
 
-def _parse_size(variable: str, value: str) -> int:
-    match = _SIZE.fullmatch(value.strip().lower())
-    multiplier = _SIZE_UNITS.get(match.group(2)) if match else None
-    if multiplier is None:
-        raise _bad(variable, value, "a number of bytes or a size such as 512MiB, 4GiB or 2GB")
-    size = fractions.Fraction(match.group(1)) * multiplier
-    if size.denominator != 1:
-        raise _bad(variable, value, "a whole number of bytes")
-    return int(size)
-
-
-def _parse_int(variable: str, value: str) -> int:
-    try:
-        return int(value.strip())
-    except ValueError:
-        raise _bad(variable, value, "an integer") from None
+_parse_bool = _parsed_by(parse_bool)
+_parse_size = _parsed_by(parse_byte_size)
+_parse_int = _parsed_by(parse_int)
 
 
 def _choice(*choices: Optional[Any]) -> Callable[[str, str], Any]:

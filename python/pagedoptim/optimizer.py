@@ -81,6 +81,12 @@ class PagedOptimizer(torch.optim.Optimizer):
     def _native_step(self, *args: Any) -> None:
         raise NotImplementedError
 
+    @property
+    def release_grads(self) -> bool:
+        """Whether params are stepped inside backward (release_grads=True): integrations
+        check it against what would read gradients after backward (clipping, DDP)."""
+        return self._options.release_grads
+
     # -- parameter groups ------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -152,7 +152,7 @@ def test_optim_args_values():
     ("state_bits=8,", po.AdamW, "Invalid optim_args entry ''"),
     ("state_bits=eight", po.AdamW, "Invalid optim_args value for 'state_bits': 'eight' "
                                    r"\(expected an integer\)"),
-    ("cache_bytes=1XB", po.AdamW, "Invalid optim_args value for 'cache_bytes'.*1GiB"),
+    ("cache_bytes=1XB", po.AdamW, "Invalid optim_args value for 'cache_bytes'.*4GiB"),
     ("page_bytes=0.5", po.AdamW, "'page_bytes'.*whole number of bytes"),
     ("release_grads=maybe", po.AdamW, "Invalid optim_args value for 'release_grads'"),
     ("lr=1,lr=2", po.AdamW, "optim_args sets 'lr' twice"),

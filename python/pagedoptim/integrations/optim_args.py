@@ -20,41 +20,9 @@ optimizer_cls_and_kwargs instead.
 from __future__ import annotations
 
 import inspect
-import re
 from typing import Any, Callable, Mapping, Optional
 
-_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([a-z]*)")
-_TRUE = ("true", "1", "yes", "on")
-_FALSE = ("false", "0", "no", "off")
-
-
-def parse_byte_size(text: str) -> int:
-    """'1GiB' -> 1073741824, '512MB' -> 512000000, '4096' -> 4096."""
-    match = _SIZE.fullmatch(text.strip().lower())
-    if match is None or match.group(2) not in _UNITS:
-        raise ValueError("expected a byte count such as 4096, 512MiB or 1GiB")
-    size = float(match.group(1)) * _UNITS[match.group(2)]
-    if size != int(size):
-        raise ValueError("expected a whole number of bytes")
-    return int(size)
-
-
-def _parse_bool(text: str) -> bool:
-    lowered = text.lower()
-    if lowered in _TRUE:
-        return True
-    if lowered in _FALSE:
-        return False
-    raise ValueError(f"expected one of {list(_TRUE + _FALSE)}")
-
-
-def _parse_int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError("expected an integer") from None
+from pagedoptim.setting_text import parse_bool, parse_byte_size, parse_int
 
 
 def _parse_float(text: str) -> float:
@@ -74,9 +42,9 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "lr": _parse_float, "eps": _parse_float, "weight_decay": _parse_float,
     "momentum": _parse_float, "dampening": _parse_float,
     "beta1": _parse_float, "beta2": _parse_float,
-    "amsgrad": _parse_bool, "maximize": _parse_bool, "nesterov": _parse_bool,
-    "release_grads": _parse_bool,
-    "state_bits": _parse_int, "master_bits": _or_none(_parse_int), "prefetch": _parse_int,
+    "amsgrad": parse_bool, "maximize": parse_bool, "nesterov": parse_bool,
+    "release_grads": parse_bool,
+    "state_bits": parse_int, "master_bits": _or_none(parse_int), "prefetch": parse_int,
     "cache_bytes": _or_none(parse_byte_size), "page_bytes": parse_byte_size,
     "offload": _or_none(str), "nvme_dir": str, "policy": str,
 }

@@ -182,7 +182,5 @@ class PagedOptimTrainer(Trainer):
         # Also covers optimizers=(po.AdamW(..., release_grads=True), None) and
         # optimizer_cls_and_kwargs=, which never pass through the name route.
         if isinstance(optimizer, PagedOptimizer):
-            # The options are the optimizer's own settings; optimizer.py has no public
-            # accessor for them yet.
-            check_release_grads_fits(self.args, optimizer._options.release_grads)
+            check_release_grads_fits(self.args, optimizer.release_grads)
         return optimizer
