@@ -504,3 +504,37 @@ def test_paged_state_chooses_pages_that_fit_the_cache():
 def test_a_cache_below_one_page_raises(kwargs, match):
     with pytest.raises(ValueError, match=match):
         po.AdamW([make_pair()[0]], **kwargs)
+
+
+def _ddp_release_worker(rank, world_size, init_file, results):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+        opt = po.AdamW(model.parameters(), release_grads=True)
+        before = [p.detach().clone() for p in model.parameters()]
+        message = ""
+        try:
+            model(torch.randn(3, 4) + rank).sum().backward()
+        except RuntimeError as error:
+            message = str(error)
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        results.put((rank, message, unchanged, len(opt.state)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_release_grads_under_ddp_raises_on_every_rank(tmp_path):
+    """Two gloo ranks under DDP: the released step would use the gradient from before the
+    all-reduce, so the first backward raises on each rank and no param changes."""
+    context = torch.multiprocessing.get_context("spawn")
+    results = context.Queue()
+    torch.multiprocessing.start_processes(_ddp_release_worker,
+                                          args=(2, str(tmp_path / "init"), results),
+                                          nprocs=2, join=True, start_method="spawn")
+    outcomes = sorted(results.get(timeout=60) for _ in range(2))
+    for rank, message, unchanged, num_states in outcomes:
+        assert "data parallelism" in message, (rank, message)
+        assert unchanged and num_states == 0, rank
