@@ -10,6 +10,7 @@
     PAGEDOPTIM_PREFETCH=4
     PAGEDOPTIM_POLICY=auto|lru|plan
     PAGEDOPTIM_RELEASE_GRADS=0|1
+    PAGEDOPTIM_ALGORITHM=adamw|skewadam   what torch.optim.AdamW and Adam build
 
 Each value is parsed here and every error names the variable and what it expects. Any other
 PAGEDOPTIM_* variable is a typo unless the build, the scripts or the native library read it
@@ -100,7 +101,11 @@ _SETTINGS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "POLICY": ("policy", _choice("auto", "lru", "plan")),
     "RELEASE_GRADS": ("release_grads", _parse_bool),
 }
-SETTING_VARIABLES = tuple(PREFIX + suffix for suffix in _SETTINGS)
+# Which of our algorithms torch's Adam names build (see pagedoptim.patch); not a paging
+# setting, so it is read on its own.
+ALGORITHM_VARIABLE = PREFIX + "ALGORITHM"
+_parse_algorithm = _choice("adamw", "skewadam")
+SETTING_VARIABLES = tuple(PREFIX + suffix for suffix in _SETTINGS) + (ALGORITHM_VARIABLE,)
 
 
 def flag_enabled(environ: Mapping[str, str] = os.environ) -> bool:
@@ -126,11 +131,17 @@ def settings_from_environment(environ: Mapping[str, str] = os.environ) -> dict[s
                 f"Unknown environment variable {variable}{hint}: PagedOptim reads "
                 f"{', '.join(SETTING_VARIABLES)}; unset it so that no setting is silently "
                 "ignored")
-        if variable in RESERVED:
+        if variable in RESERVED or variable == ALGORITHM_VARIABLE:
             continue
         field, parse = _SETTINGS[variable[len(PREFIX):]]
         settings[field] = parse(variable, environ[variable])
     return settings
+
+
+def algorithm_from_environment(environ: Mapping[str, str] = os.environ) -> str:
+    """PAGEDOPTIM_ALGORITHM: 'adamw' (unset) or 'skewadam'."""
+    value = environ.get(ALGORITHM_VARIABLE)
+    return "adamw" if value is None else _parse_algorithm(ALGORITHM_VARIABLE, value)
 
 
 def check_together(from_environment: Mapping[str, Any], overrides: Mapping[str, Any]) -> None:

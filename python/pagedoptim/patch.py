@@ -11,15 +11,20 @@ replacements accept.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from pagedoptim import env_settings, paging_kwargs, stand_ins
 
-# torch.optim name -> the stand-in that replaces it. Lion and SkewAdam have no torch name.
-STAND_INS: dict[str, type] = {"AdamW": stand_ins.AdamW, "Adam": stand_ins.Adam,
-                              "SGD": stand_ins.SGD}
+# algorithm -> (torch.optim name -> the stand-in that replaces it). Lion has no torch name;
+# SkewAdam, the Mixture-of-Experts Adam, takes Adam's names when asked for.
+STAND_INS_BY_ALGORITHM: dict[str, dict[str, type]] = {
+    "adamw": {"AdamW": stand_ins.AdamW, "Adam": stand_ins.Adam, "SGD": stand_ins.SGD},
+    "skewadam": {"AdamW": stand_ins.SkewAdamW, "Adam": stand_ins.SkewAdamAsAdam,
+                 "SGD": stand_ins.SGD},
+}
+STAND_INS = STAND_INS_BY_ALGORITHM["adamw"]
 
 # torch.optim's own classes, captured when this module is first imported: the patch never
 # runs before that, so they are torch's even if patch() was called since.
@@ -36,19 +41,26 @@ def is_patched() -> bool:
     return _patched
 
 
-def patch(**overrides: Any) -> None:
+def patch(algorithm: Optional[str] = None, **overrides: Any) -> None:
     """Makes torch.optim.AdamW, Adam and SGD build pagedoptim optimizers.
 
+    algorithm: what Adam's names build, "adamw" (the default) or "skewadam" (tiers from the
+    names in the model owning the params); None: PAGEDOPTIM_ALGORITHM, else "adamw".
     `overrides` are paging keyword arguments (state_bits=..., offload=..., ...); they win
     over the PAGEDOPTIM_* environment variables, which win over the optimizers' defaults.
     Calling it again replaces the settings; unpatch() restores torch's classes.
     """
     global _patched
     from_environment = env_settings.settings_from_environment()
+    if algorithm is None:
+        algorithm = env_settings.algorithm_from_environment()
+    if algorithm not in STAND_INS_BY_ALGORITHM:
+        raise ValueError(f"Invalid algorithm: {algorithm!r} (expected one of "
+                         f"{sorted(STAND_INS_BY_ALGORITHM)})")
     paging_kwargs.check_names(overrides, "pagedoptim.patch()")
     env_settings.check_together(from_environment, overrides)
     stand_ins.use_paging_settings({**from_environment, **overrides})
-    for name, stand_in in STAND_INS.items():
+    for name, stand_in in STAND_INS_BY_ALGORITHM[algorithm].items():
         setattr(torch.optim, name, stand_in)
     _patched = True
 

@@ -17,7 +17,9 @@ from typing import Any, Optional, Union
 import torch
 
 from pagedoptim.adamw import AdamW as PagedAdamW
+from pagedoptim.owning_model import model_owning
 from pagedoptim.sgd import SGD as PagedSGD
+from pagedoptim.skewadam import SkewAdam as PagedSkewAdam
 
 _session_settings: dict[str, Any] = {}
 
@@ -102,3 +104,59 @@ class SGD(PagedSGD):
                  nesterov: bool = False, *, maximize: bool = False, **kwargs: Any) -> None:
         super().__init__(params, lr, momentum, dampening, weight_decay, nesterov, maximize,
                          **_with_session_settings(kwargs))
+
+
+class SkewAdamW(PagedSkewAdam):
+    """torch.optim.AdamW on SkewAdam (PAGEDOPTIM_ALGORITHM=skewadam): Mixture-of-Experts
+    scripts keep their `torch.optim.AdamW(model.parameters(), ...)`.
+
+    The tiers come from parameter names, which the script does not pass: they are taken
+    from the model that owns the parameters (pagedoptim.owning_model). torch's `eps` is
+    not SkewAdam's (an epsilon added to g^2, default 1e-30), so the script's value is not
+    passed on and SkewAdam's own applies (build po.SkewAdam directly to choose it).
+    amsgrad and maximize have no SkewAdam form and raise."""
+
+    def __init__(self, params: Any, lr: Union[float, torch.Tensor] = 1e-3,
+                 betas: tuple[Any, Any] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 **kwargs: Any) -> None:
+        for name, value in (("amsgrad", amsgrad), ("maximize", maximize)):
+            if value:
+                raise ValueError(f"{name}=True has no SkewAdam form "
+                                 "(PAGEDOPTIM_ALGORITHM=skewadam): unset it, or the variable")
+        kwargs = _with_session_settings(kwargs)
+        params, tensors = _materialized(params)
+        if "names_from" not in kwargs:
+            kwargs["names_from"] = model_owning(tensors)
+        super().__init__(params, lr, betas, weight_decay=weight_decay, **kwargs)
+
+
+class SkewAdamAsAdam(SkewAdamW):
+    """torch.optim.Adam on SkewAdam: as SkewAdamW, with Adam's default weight_decay=0; a
+    coupled (L2) weight decay raises, as it does for the Adam stand-in."""
+
+    def __init__(self, params: Any, lr: Union[float, torch.Tensor] = 1e-3,
+                 betas: tuple[Any, Any] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
+                 decoupled_weight_decay: bool = False, **kwargs: Any) -> None:
+        Adam._check_weight_decay({"weight_decay": weight_decay,
+                                  "decoupled_weight_decay": decoupled_weight_decay}, 0)
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                         **kwargs)
+
+
+def _materialized(params: Any) -> tuple[list[Any], list[torch.Tensor]]:
+    """A params argument (tensors, (name, tensor) pairs, or param groups; maybe a generator,
+    which can be read only once) as a list, and the tensors in it."""
+    entries = [params] if isinstance(params, torch.Tensor) else list(params)
+    listed, tensors = [], []
+    for entry in entries:
+        if isinstance(entry, dict):
+            group = entry["params"]
+            members = [group] if isinstance(group, torch.Tensor) else list(group)
+            listed.append({**entry, "params": members})
+        else:
+            members = [entry]
+            listed.append(entry)
+        tensors += [m[1] if isinstance(m, tuple) else m for m in members]
+    return listed, [t for t in tensors if isinstance(t, torch.Tensor)]
