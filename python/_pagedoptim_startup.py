@@ -11,12 +11,14 @@ The patch needs pagedoptim, which imports torch itself. When the script imports
 pagedoptim first, torch finishes loading while pagedoptim is half imported, so in that case
 the patch waits until pagedoptim is complete.
 
-It imports nothing beyond sys (importlib.abc and typing alone would cost tens of
-milliseconds): a meta path finder is any object with find_spec.
+It imports nothing beyond sys and os, which site has loaded already (importlib.abc and
+typing alone would cost tens of milliseconds): a meta path finder is any object with
+find_spec.
 """
 
 from __future__ import annotations
 
+import os  # already loaded by site: free
 import sys
 
 _TRIGGERS = ("torch", "pagedoptim")
@@ -75,8 +77,17 @@ class _PatchAfterImport:
             sys.meta_path.remove(self)
 
 
+# setting_text.OFF, repeated: this module cannot import pagedoptim (that imports torch).
+_OFF = ("0", "false", "no", "off", "")
+
+
 def install() -> None:
-    """Patches torch.optim as soon as torch is imported (now, if it already is)."""
+    """Patches torch.optim as soon as torch is imported (now, if it already is), unless
+    PAGEDOPTIM says off: then pagedoptim is never imported, so a broken install cannot
+    break `import torch`. A value that is neither on nor off goes on to the patch, whose
+    error names it."""
+    if os.environ.get("PAGEDOPTIM", "").strip().lower() in _OFF:
+        return
     if any(isinstance(finder, _PatchAfterImport) for finder in sys.meta_path):
         return
     finder = _PatchAfterImport()

@@ -28,6 +28,7 @@ class AdamW(PagedOptimizer):
     _FIRST = Moment("exp_avg", second=False)
     _SECOND = Moment("exp_avg_sq", second=True)
     _SECOND_MAX = Moment("max_exp_avg_sq", second=True)
+    _sparse_gradient_hint = ", please consider SparseAdam instead"  # torch's words
 
     def __init__(
         self,
@@ -96,13 +97,6 @@ class AdamW(PagedOptimizer):
 
     def _all_moments(self) -> list[Moment]:
         return [self._FIRST, self._SECOND, self._SECOND_MAX]
-
-    def _dense_grad(self, p: torch.Tensor, grad: torch.Tensor,
-                    group: dict[str, Any]) -> torch.Tensor:
-        if grad.is_sparse:
-            raise RuntimeError("AdamW does not support sparse gradients, please consider "
-                               f"SparseAdam instead (param of shape {tuple(p.shape)} has one)")
-        return grad
 
     def _native_step(self, *args: Any, **amp: Any) -> None:
         self._engine.step_adamw(*args, **amp)

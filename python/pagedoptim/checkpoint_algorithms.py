@@ -15,6 +15,8 @@ even before the first step, when the state is still empty), then by the state ke
   adamw      amsgrad (or betas and eps)              exp_avg*, exp_avg_sq*, max_exp_avg_sq*
   adam       as adamw, decoupled_weight_decay=False
   lion       betas without eps                       exp_avg* only
+  other      a key only another torch.optim optimizer has (RMSprop's centered, Adagrad's
+             lr_decay, ...), or betas and eps without amsgrad (RAdam, Adamax, SparseAdam)
 
 torch 2.x saves 'decoupled_weight_decay' in both Adam's and AdamW's groups (AdamW is Adam
 with it True). Checkpoints without the key (pagedoptim's, older torch's) are taken as AdamW:
@@ -37,6 +39,21 @@ _SAVED_BY = {
     LION: "Lion",
     SKEWADAM: "pagedoptim.SkewAdam",
 }
+
+# torch.optim's other optimizers, by a param_groups key only they have (RMSprop also has
+# SGD's momentum, so these are looked at first). Another Adam-family optimizer without
+# amsgrad (RAdam, Adamax, SparseAdam) is told by betas and eps without amsgrad: torch's
+# Adam and AdamW, and ours, always save amsgrad.
+OTHER = "other"
+_OTHER_TORCH_KEYS = {
+    "centered": "torch.optim.RMSprop", "alpha": "torch.optim.RMSprop or ASGD",
+    "lr_decay": "torch.optim.Adagrad", "initial_accumulator_value": "torch.optim.Adagrad",
+    "rho": "torch.optim.Adadelta", "momentum_decay": "torch.optim.NAdam",
+    "etas": "torch.optim.Rprop", "step_sizes": "torch.optim.Rprop", "lambd": "torch.optim.ASGD",
+    "t0": "torch.optim.ASGD", "history_size": "torch.optim.LBFGS",
+    "tolerance_grad": "torch.optim.LBFGS",
+}
+_ADAM_VARIANT = "an Adam variant without amsgrad (torch.optim.RAdam, Adamax or SparseAdam)"
 
 # Keys every optimizer may carry, which say nothing about the algorithm.
 _NEUTRAL_GROUP_KEYS = {"params", "param_names", "lr", "initial_lr", "weight_decay", "maximize",
@@ -70,14 +87,26 @@ def _state_keys(state_dict: Mapping) -> set[str]:
             for key in value}
 
 
+def _other_torch_algorithm(state_dict: Mapping) -> Optional[str]:
+    """The name of a torch.optim optimizer none of ours runs, when its groups show one."""
+    keys = _group_keys(state_dict)
+    for key, name in _OTHER_TORCH_KEYS.items():
+        if key in keys:
+            return name
+    if {"betas", "eps"} <= keys and not {"amsgrad", "param_tiers", "tier"} & keys:
+        return _ADAM_VARIANT
+    return None
+
+
 def _from_group_keys(state_dict: Mapping) -> Optional[str]:
     keys = _group_keys(state_dict)
+    if _other_torch_algorithm(state_dict) is not None:
+        return OTHER
     if {"momentum", "dampening", "nesterov"} & keys:
         return SGD
     if {"param_tiers", "tier"} & keys:
         return SKEWADAM
-    if "amsgrad" in keys or {"betas", "eps"} <= keys:
-        # SkewAdam's groups always carry param_tiers, so betas + eps here is Adam's family.
+    if "amsgrad" in keys:
         coupled = any(group.get("decoupled_weight_decay") is False
                       for group in state_dict["param_groups"])
         return ADAM if coupled else ADAMW
@@ -101,8 +130,9 @@ def _from_state_keys(state_dict: Mapping) -> Optional[str]:
 
 def identify_algorithm(state_dict: Any) -> Optional[str]:
     """The algorithm that saved `state_dict`: 'adamw', 'adam' (torch.optim.Adam: coupled L2
-    weight decay), 'sgd', 'lion' or 'skewadam'; None when neither its param_groups nor its
-    state tell (for example groups with only lr and an empty state).
+    weight decay), 'sgd', 'lion' or 'skewadam'; 'other' for another torch.optim optimizer
+    (RMSprop, Adagrad, RAdam, ...); None when neither its param_groups nor its state tell
+    (for example groups with only lr and an empty state).
 
     Raises ValueError when `state_dict` is not an optimizer state_dict.
     """
@@ -143,7 +173,9 @@ def algorithm_mismatch(expected: str, state_dict: Any) -> Optional[str]:
                 "AdamW would apply to the weight directly instead, a different algorithm "
                 "(set weight_decay=0 in its param_groups to accept the change, or resume "
                 "with torch.optim.Adam)")
-    return f"this state_dict was saved by {_SAVED_BY[saved_by]} ({_evidence(state_dict)})"
+    saved_by_name = (_other_torch_algorithm(state_dict) if saved_by == OTHER
+                     else _SAVED_BY[saved_by])
+    return f"this state_dict was saved by {saved_by_name} ({_evidence(state_dict)})"
 
 
 def check_algorithm(expected: str, state_dict: Any, optimizer_name: str) -> None:

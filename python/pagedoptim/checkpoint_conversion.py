@@ -106,6 +106,11 @@ def _convert_param(index: Any, given: Mapping[str, Any], moments: list[Moment], 
     A stream already in the target format is kept as it is, dtype included: torch keeps
     bf16 parameters' moments in bf16, and pagedoptim's load_state_dict casts them itself.
     """
+    # A complex param's moments are coded as their real view (as the optimizer steps them);
+    # kept as they are where no conversion is needed.
+    given = {key: (torch.view_as_real(value) if isinstance(value, torch.Tensor)
+                   and value.is_complex() and f"{key}_codes" not in given else value)
+             for key, value in given.items()}
     moment_keys = state_format.all_stream_names(moments) - {state_format.RESIDUAL}
     drop_residual = not keep_residual and state_format.RESIDUAL in given
     replaced = moment_keys | ({state_format.RESIDUAL} if drop_residual else set())

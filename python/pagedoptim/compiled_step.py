@@ -65,8 +65,9 @@ class _CompiledPlan:
                 and len(self.steps) == len(optimizer._indexed_params()))
 
 
-def _forget_plan(optimizer: Any) -> None:
-    """load_state_dict replaces the step counters: the next call must trace again."""
+def forget_plan(optimizer: Any) -> None:
+    """The step counters were replaced (a load, a param's state reset or its 'step'
+    assigned): the next call must trace again, with the new ones."""
     optimizer._compiled_plan = None
 
 
@@ -76,7 +77,7 @@ def _registered_id(optimizer: Any) -> int:
         optimizer_id = next(_next_id)
         _ids[optimizer] = optimizer_id
         _optimizers[optimizer_id] = optimizer
-        optimizer.register_load_state_dict_post_hook(_forget_plan)
+        optimizer.register_load_state_dict_post_hook(forget_plan)
     return optimizer_id
 
 

@@ -145,6 +145,11 @@ def resolve_algorithm(state_dict: Mapping[str, Any], given: Optional[str],
             raise ConvertError(f"--algorithm {given} does not fit INPUT {path}: {mismatch}")
         return given
     identified = checkpoint_algorithms.identify_algorithm(state_dict)
+    if identified == checkpoint_algorithms.OTHER:
+        raise ConvertError(f"INPUT {path}: "
+                           f"{checkpoint_algorithms.algorithm_mismatch('adamw', state_dict)}; "
+                           "convert knows pagedoptim's algorithms "
+                           f"({'|'.join(checkpoint_algorithms.KINDS)}) only")
     if identified is None:
         raise ConvertError(f"cannot tell which optimizer saved INPUT {path} (neither its "
                            "param_groups keys nor its state keys say); pass --algorithm "

@@ -29,7 +29,7 @@ from pagedoptim.state_format import Moment, StreamSpec
 
 # complex64 params are stepped as their float32 real view, as torch.optim does.
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.complex64)
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
+LOW_PRECISION_DTYPES = (torch.bfloat16, torch.float16)
 
 # Page kinds: every parameter's state has the optimizer's moment streams; bf16/fp16
 # parameters with master_bits on have the master residual too.
@@ -44,6 +44,8 @@ class PagedOptimizer(torch.optim.Optimizer):
     # Whether state[p] shows 'step', as torch's optimizer of the algorithm does (torch.optim.SGD
     # keeps none; ours still counts steps, out of sight).
     _step_in_state: bool = True
+    # What torch's error for a sparse gradient adds (AdamW: where to go instead).
+    _sparse_gradient_hint: str = ""
 
     def __init__(self, params: Any, defaults: dict[str, Any], options: PagingOptions) -> None:
         self._options = options
@@ -115,10 +117,15 @@ class PagedOptimizer(torch.optim.Optimizer):
         # torch warns about a param given twice in one group (and steps it twice); so do we.
         super().add_param_group({**param_group, "params": params})
         if self._options.release_grads:
-            for p in dict.fromkeys(tensors):
-                if p.requires_grad:
-                    self._release_hooks.append(
-                        p.register_post_accumulate_grad_hook(self._step_released))
+            self._register_release_hooks(tensors)
+
+    def _register_release_hooks(self, params: list[torch.Tensor]) -> None:
+        # Once per param: a param given twice in a group is stepped once per backward here
+        # (each backward completes its gradient once), where step() would step it twice.
+        for p in dict.fromkeys(params):
+            if p.requires_grad:
+                self._release_hooks.append(
+                    p.register_post_accumulate_grad_hook(self._step_released))
 
     # -- the step --------------------------------------------------------------------------
 
@@ -204,8 +211,9 @@ class PagedOptimizer(torch.optim.Optimizer):
         """The gradient the kernels take; a sparse one raises as it does in torch (SGD
         overrides this: torch.optim.SGD takes sparse gradients)."""
         if grad.is_sparse:
-            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients "
-                               f"(param of shape {tuple(p.shape)} has one)")
+            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients"
+                               f"{self._sparse_gradient_hint} (param of shape "
+                               f"{tuple(p.shape)} has one)")
         return grad
 
     def _add_to_batch(self, batch: "_StepBatch", p: torch.Tensor, grad: torch.Tensor,
@@ -270,6 +278,11 @@ class PagedOptimizer(torch.optim.Optimizer):
         optimizers keep it); state[p]['step'] unless the algorithm hides it."""
         return self.state[p].step_counter(self._step_device(p), self._step_in_state)
 
+    def _step_counter_replaced(self) -> None:
+        """A param's step counter was replaced or reset: a compiled step holding the old
+        one must trace again."""
+        compiled_step.forget_plan(self)
+
     @staticmethod
     def _step_device(p: torch.Tensor) -> torch.device:
         return p.device if p.device.type == "cuda" else torch.device("cpu")
@@ -328,7 +341,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         return kinds
 
     def _kind_of(self, p: torch.Tensor) -> int:
-        if self._options.master_bits is not None and p.dtype in _LOW_PRECISION:
+        if self._options.master_bits is not None and p.dtype in LOW_PRECISION_DTYPES:
             return _KIND_WITH_RESIDUAL
         return _KIND_PLAIN
 
@@ -526,6 +539,8 @@ class PagedOptimizer(torch.optim.Optimizer):
                 packed_state[key] = value
                 continue
             entry = dict(value.plain_items()) if isinstance(value, ParamState) else dict(value)
+            if isinstance(entry.get("step"), torch.Tensor):
+                entry["step"] = entry["step"].clone()  # a snapshot, like the streams
             entry.update({name: self._read_state_tensor(key, name)
                           for name in self._state_stream_keys(key)})
             if entry:  # torch keeps no entry for a param without state
@@ -615,6 +630,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             self.param_groups = param_groups
             self._on_groups_loaded()
             self.state = StateMap(self)
+            self.state.take_over(before["state"])
             for key, value in other.items():
                 self.state[key] = value
             self._scatter_streams(streams)
@@ -638,11 +654,15 @@ class PagedOptimizer(torch.optim.Optimizer):
         step = entries.pop("step", None)
         if step is None:
             step = self._default_step(has_streams)
-        param_state._plain.update(entries)
+        elif isinstance(step, torch.Tensor):
+            # The kernels advance it in place: the state dict given (a torch optimizer's
+            # own, through wrap()) must not advance with it.
+            step = step.detach().clone()
+        param_state.update(entries)
         if self._step_in_state:
-            param_state._plain["step"] = step
+            param_state["step"] = step
         else:
-            param_state.set_hidden_step(float(step))
+            param_state.set_hidden_step(step)
         self._step_counter(p)
 
     def _default_step(self, has_streams: bool) -> float:
@@ -657,8 +677,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         for key, value in self.state.items():
             if isinstance(value, ParamState):
                 param_plain[key] = value.plain_items()
-                if value._hidden_step is not None:
-                    hidden_steps[key] = value._hidden_step
+                if value.hidden_step() is not None:
+                    hidden_steps[key] = value.hidden_step()
             else:
                 other[key] = value
         return {"defaults": self.defaults, "param_groups": self.param_groups,
@@ -685,15 +705,12 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._device = params[0].device if params else None
         if options.release_grads:
             release_guard.watch(self)
-            for p in dict.fromkeys(params):
-                if p.requires_grad:
-                    self._release_hooks.append(
-                        p.register_post_accumulate_grad_hook(self._step_released))
+            self._register_release_hooks(params)
         self._scatter_streams(saved_streams)
         for p, entries in param_plain.items():
-            self.state[p]._plain.update(entries)
+            self.state[p].update(entries)
         for p, step in hidden_steps.items():
-            self.state[p]._hidden_step = step
+            self.state[p].set_hidden_step(step)
         for key, value in other.items():
             self.state[key] = value
 
@@ -736,7 +753,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                     else:
                         moment_bytes += size
         step_bytes = 4 * sum(1 for v in self.state.values() if isinstance(v, ParamState)
-                             and (v._hidden_step is not None or "step" in v.plain_items()))
+                             and (v.hidden_step() is not None or "step" in v.plain_items()))
         state_bytes = page_bytes + step_bytes
         per_param = max(num_elements, 1)
         return {

@@ -13,7 +13,7 @@ from typing import Optional
 
 from pagedoptim._validation import check_non_negative
 
-_PAGE_ALIGNMENT = 4096
+PAGE_ALIGNMENT = 4096  # O_DIRECT and the native geometry need pages of whole 4 KiB
 _POLICIES = ("auto", "lru", "plan")
 _OFFLOAD_TIERS = (None, "host", "nvme")
 
@@ -51,9 +51,9 @@ class PagingOptions:
             check_non_negative(self.cache_bytes, "cache_bytes")
         if self.page_bytes is not None and (
                 isinstance(self.page_bytes, bool) or not isinstance(self.page_bytes, int)
-                or self.page_bytes <= 0 or self.page_bytes % _PAGE_ALIGNMENT):
+                or self.page_bytes <= 0 or self.page_bytes % PAGE_ALIGNMENT):
             raise ValueError(f"Invalid page_bytes: {self.page_bytes!r} "
-                             f"(expected None or a positive multiple of {_PAGE_ALIGNMENT})")
+                             f"(expected None or a positive multiple of {PAGE_ALIGNMENT})")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) \
                 or self.prefetch < 0:
             raise ValueError(f"Invalid prefetch: {self.prefetch!r} (expected an int >= 0)")

@@ -25,15 +25,16 @@ from typing import Any, Iterator, Optional
 import torch
 
 from pagedoptim._native import native
-from pagedoptim.options import PagingOptions
+from pagedoptim.options import PAGE_ALIGNMENT, PagingOptions
+from pagedoptim.state_format import GROUP_SIZE
 
 DEFAULT_CACHE_BYTES = 1 << 30
 # Pages are at most this large when page_bytes is not given, and smaller when the state is:
 # unpaged state then costs its payload plus at most one partly filled page per kind.
 DEFAULT_PAGE_BYTES = 2 << 20
-PAGE_ALIGNMENT = 4096        # O_DIRECT and the native geometry need pages of whole 4 KiB
-_STREAM_ALIGNMENT = 64       # kStreamAlignment: each stream of a page starts on a cache line
-_GROUP_SIZE = 32
+# kStreamAlignment (include/pagedoptim/common.h): each stream of a page starts on a cache
+# line. test_torch_contract checks that pages chosen with it hold the whole state.
+_STREAM_ALIGNMENT = 64
 # A paged cache holds at least this many pages of a chosen size: a batch being stepped and
 # the next ones coming in.
 MIN_CACHE_PAGES = 8
@@ -150,7 +151,7 @@ def choose_page_bytes(options: PagingOptions, store: Optional[dict], kinds: list
         return options.page_bytes
     groups = [0] * len(kinds)
     for kind, numel in planned:
-        groups[kind] += -(-numel // _GROUP_SIZE)
+        groups[kind] += -(-numel // GROUP_SIZE)
     needed = max((_page_layout_bytes(kinds[k], groups[k]) for k in range(len(kinds))
                   if kinds[k] and groups[k]), default=0)
     page = min(DEFAULT_PAGE_BYTES, _round_up(max(needed, 1), PAGE_ALIGNMENT))

@@ -91,6 +91,8 @@ class ParamState(collections.abc.MutableMapping):
             self._retire_checked_out()
             return
         self._plain[key] = value
+        if key == "step":
+            self._owner._step_counter_replaced()
 
     def __delitem__(self, key: Any) -> None:
         if key in self._plain:
@@ -140,8 +142,12 @@ class ParamState(collections.abc.MutableMapping):
                 self._hidden_step = step
         return step
 
-    def set_hidden_step(self, value: float) -> None:
-        self._hidden_step = torch.tensor(float(value), dtype=torch.float32)
+    def set_hidden_step(self, value: Any) -> None:
+        """The hidden count; step_counter() makes it a tensor of the right kind."""
+        self._hidden_step = value
+
+    def hidden_step(self) -> Optional[float]:
+        return None if self._hidden_step is None else float(self._hidden_step)
 
     def plain_items(self) -> dict[Any, Any]:
         return dict(self._plain)
@@ -194,7 +200,7 @@ class StateMap(collections.defaultdict):
         if isinstance(value, ParamState) and value._param is key and value._map is self:
             dict.__setitem__(self, key, value)
             return
-        entries = dict(value)  # before the reset: `state[p] = dict(state[p])` keeps values
+        entries = dict(value)  # read before the reset: `state[p] = dict(state[p])` keeps values
         self._reset(key)
         fresh = self[key]
         for name, tensor in entries.items():
@@ -244,6 +250,7 @@ class StateMap(collections.defaultdict):
             value._retire_checked_out()
             self._with_checked_out.pop(id(value), None)
             self.owner._reset_param_state(key)
+            self.owner._step_counter_replaced()
         if key in self:
             dict.__delitem__(self, key)
 
@@ -262,6 +269,11 @@ class StateMap(collections.defaultdict):
         self._check_stale()
         for param_state in list(self._with_checked_out.values()):
             param_state.write_back()
+
+    def take_over(self, previous: "StateMap") -> None:
+        """This map replaces `previous` (a load): copies handed out from it are stale."""
+        previous.retire_all()
+        self._stale = previous._stale
 
     def retire_all(self) -> None:
         """After the pages changed (a step, a load): every copy handed out is stale."""

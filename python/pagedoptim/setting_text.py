@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fractions
 import re
+from typing import Any, Callable
 
 ON = ("1", "true", "yes", "on")
 OFF = ("0", "false", "no", "off")
@@ -47,3 +48,17 @@ def parse_int(text: str) -> int:
         return int(text.strip())
     except ValueError:
         raise ValueError("expected an integer") from None
+
+
+def parse_float(text: str) -> float:
+    try:
+        return float(text.strip())
+    except ValueError:
+        raise ValueError("expected a number") from None
+
+
+def optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse`, with 'none' read as None (master_bits=none, cache_bytes=none)."""
+    def parse_or_none(text: str) -> Any:
+        return None if text.strip().lower() == "none" else parse(text)
+    return parse_or_none

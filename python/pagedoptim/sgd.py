@@ -95,6 +95,14 @@ class SGD(PagedOptimizer):
                                f"gradient); param of shape {tuple(p.shape)} has one")
         return grad.to_dense()
 
+    def _write_state_tensor(self, p: torch.Tensor, key: str, value: torch.Tensor) -> None:
+        """A momentum buffer written through optimizer.state is stepped from, as torch's
+        SGD steps from any buffer it finds: the hidden count leaves 'first step'."""
+        super()._write_state_tensor(p, key, value)
+        param_state = self.state[p]
+        if (param_state.hidden_step() or 0.0) < 1.0:
+            param_state.set_hidden_step(1.0)
+
     def _native_step(self, *args: Any, **amp: Any) -> None:
         self._ensure_engine().step_sgd(*args, **amp)
 

@@ -23,10 +23,9 @@ from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 
-from pagedoptim import state_format
-from pagedoptim import torch_flags
+from pagedoptim import state_format, torch_flags
 from pagedoptim._validation import check_betas, check_non_negative
-from pagedoptim.optimizer import PagedOptimizer
+from pagedoptim.optimizer import LOW_PRECISION_DTYPES, PagedOptimizer
 from pagedoptim.options import PagingOptions
 from pagedoptim.state_format import Moment, StreamSpec
 from pagedoptim.tiers import (BACKBONE, EXPERTS, ROUTER, TIERS, check_tier,
@@ -36,7 +35,6 @@ FACTORS = "exp_avg_sq_factors"
 ROW = "exp_avg_sq_row"
 COL = "exp_avg_sq_col"
 
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
 # Per-element stream sets, in kind order: (momentum, exact second moment); each with and
 # without the master residual (kind = 2 * index + residual). The factors are the last kind.
 _ELEMENT_LAYOUTS = ((True, False), (False, False), (True, True), (False, True))
@@ -253,7 +251,7 @@ class SkewAdam(PagedOptimizer):
     def _kind_of(self, p: torch.Tensor) -> int:
         layout = self._layout(p)
         index = _ELEMENT_LAYOUTS.index((layout.momentum, not layout.factored))
-        with_residual = self._options.master_bits is not None and p.dtype in _LOW_PRECISION
+        with_residual = self._options.master_bits is not None and p.dtype in LOW_PRECISION_DTYPES
         return 2 * index + int(with_residual)
 
     def _slot(self, p: torch.Tensor) -> int:

@@ -34,22 +34,13 @@ def _with_session_settings(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**_session_settings, **kwargs}
 
 
-class Adam(PagedAdamW):
-    """torch.optim.Adam on our AdamW. Adam's weight decay is an L2 term added to the
-    gradient (coupled); ours is decoupled. The two agree only at weight_decay=0 (or with
-    decoupled_weight_decay=True, which is AdamW), so any group with coupled weight decay
-    raises, at construction, in add_param_group and at a step after the group was edited:
-    the alternative would be training a different model without a word."""
-
-    def __init__(self, params: Any, lr: Union[float, torch.Tensor] = 1e-3,
-                 betas: tuple[Any, Any] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
-                 decoupled_weight_decay: bool = False, **kwargs: Any) -> None:
-        self._constructor_decoupling = bool(decoupled_weight_decay)
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize,
-                         **_with_session_settings(kwargs))
-        # torch keeps it in defaults and groups; state dicts round-trip through torch.Adam.
-        self.defaults["decoupled_weight_decay"] = self._constructor_decoupling
+class _AdamWeightDecay:
+    """What torch.optim.Adam's stand-ins share: Adam's weight decay is an L2 term added to
+    the gradient (coupled); ours (AdamW's, SkewAdam's) is decoupled. The two agree only at
+    weight_decay=0 (or with decoupled_weight_decay=True, which is AdamW), so any group with
+    coupled weight decay raises, at construction, in add_param_group and at a step after
+    the group was edited: the alternative would be training a different model without a
+    word. Groups carry decoupled_weight_decay, as torch's do."""
 
     # Until the constructor has put it in defaults; copies and unpickled optimizers keep
     # only defaults, state and groups, so afterwards defaults is where it is read.
@@ -64,13 +55,13 @@ class Adam(PagedAdamW):
                          self.defaults.get("decoupled_weight_decay", self._constructor_decoupling))
         self._check_weight_decay(
             {"weight_decay": self.defaults["weight_decay"], **group}, len(self.param_groups))
-        super().add_param_group(group)
+        super().add_param_group(group)  # type: ignore[misc]
 
     def _group_hyperparameters(self, group: dict[str, Any]) -> tuple:
         # a group being loaded (load_state_dict checks it first) is not in param_groups yet
         index = next((i for i, g in enumerate(self.param_groups) if g is group), None)
         self._check_weight_decay(group, index)
-        return super()._group_hyperparameters(group)
+        return super()._group_hyperparameters(group)  # type: ignore[misc]
 
     @staticmethod
     def _check_weight_decay(group: dict[str, Any], index: Optional[int]) -> None:
@@ -79,10 +70,22 @@ class Adam(PagedAdamW):
             where = "a loaded param group" if index is None else f"param group {index}"
             raise ValueError(
                 f"torch.optim.Adam with weight_decay={float(group['weight_decay'])} ({where}) "
-                "adds an L2 term to the gradient, which pagedoptim's AdamW "
-                "cannot express (its weight decay is decoupled). Use torch.optim.AdamW (a "
+                "adds an L2 term to the gradient, which pagedoptim's AdamW and SkewAdam "
+                "cannot express (their weight decay is decoupled). Use torch.optim.AdamW (a "
                 "different, usually better, regularization), weight_decay=0, or run without "
                 "PAGEDOPTIM / pagedoptim.patch() to keep torch's Adam")
+
+
+class Adam(_AdamWeightDecay, PagedAdamW):
+    """torch.optim.Adam on our AdamW (see _AdamWeightDecay for its weight decay)."""
+
+    def __init__(self, params: Any, lr: Union[float, torch.Tensor] = 1e-3,
+                 betas: tuple[Any, Any] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
+                 decoupled_weight_decay: bool = False, **kwargs: Any) -> None:
+        self._constructor_decoupling = bool(decoupled_weight_decay)
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize,
+                         **_with_session_settings(kwargs))
 
 
 class AdamW(Adam):
@@ -131,18 +134,19 @@ class SkewAdamW(PagedSkewAdam):
         super().__init__(params, lr, betas, weight_decay=weight_decay, **kwargs)
 
 
-class SkewAdamAsAdam(SkewAdamW):
-    """torch.optim.Adam on SkewAdam: as SkewAdamW, with Adam's default weight_decay=0; a
-    coupled (L2) weight decay raises, as it does for the Adam stand-in."""
+class SkewAdamAsAdam(_AdamWeightDecay, SkewAdamW):
+    """torch.optim.Adam on SkewAdam: as SkewAdamW, with Adam's default weight_decay=0 and
+    its weight decay checked as the Adam stand-in's (_AdamWeightDecay)."""
 
     def __init__(self, params: Any, lr: Union[float, torch.Tensor] = 1e-3,
                  betas: tuple[Any, Any] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
                  decoupled_weight_decay: bool = False, **kwargs: Any) -> None:
-        Adam._check_weight_decay({"weight_decay": weight_decay,
-                                  "decoupled_weight_decay": decoupled_weight_decay}, 0)
+        self._constructor_decoupling = bool(decoupled_weight_decay)
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          **kwargs)
+        # torch keeps it in defaults and groups; state dicts round-trip through torch.Adam.
+        self.defaults["decoupled_weight_decay"] = self._constructor_decoupling
 
 
 def _materialized(params: Any) -> tuple[list[Any], list[torch.Tensor]]:

@@ -126,3 +126,24 @@ def test_loading_another_algorithms_checkpoint_raises():
     with pytest.raises(ValueError, match=r"saved by AdamW .*; pagedoptim\.SkewAdam cannot "
                                          r"load it"):
         skewadam.load_state_dict(adamw_state_dict)
+
+
+@pytest.mark.parametrize("torch_cls, name", [
+    (torch.optim.RMSprop, "RMSprop"), (torch.optim.Adagrad, "Adagrad"),
+    (torch.optim.Adadelta, "Adadelta"), (torch.optim.NAdam, "NAdam"),
+    (torch.optim.RAdam, "RAdam"), (torch.optim.Adamax, "Adamax"), (torch.optim.Rprop, "Rprop"),
+    (torch.optim.ASGD, "ASGD"),
+])
+@pytest.mark.parametrize("kind", list(OURS_BY_KIND))
+def test_torchs_other_optimizers_are_refused_by_name(torch_cls, name, kind):
+    """RMSprop has SGD's momentum key, Adagrad nothing Adam-like, RAdam Adam's betas and eps:
+    none may pass for one of ours."""
+    params = make_params(SHAPES)
+    opt = torch_cls(params, momentum=0.9) if torch_cls is torch.optim.RMSprop else \
+        torch_cls(params)
+    set_grads(params, [torch.randn_like(p) for p in params])
+    opt.step()
+    state_dict = opt.state_dict()
+    assert identify_algorithm(state_dict) == "other"
+    with pytest.raises(ValueError, match=f"saved by .*{name}"):
+        OURS_BY_KIND[kind](make_params(SHAPES)).load_state_dict(state_dict)

@@ -239,14 +239,41 @@ def test_add_param_group_and_load_state_dict_retrace(fresh_dynamo):
                 compiled_opt.add_param_group({"params": compiled_params[10:], "lr": 1e-3})
                 eager_opt.add_param_group({"params": eager_params[10:], "lr": 1e-3})
             if index == 4:
-                # Copies: a loaded step counter is the checkpoint's tensor (as in torch).
-                checkpoint = eager_opt.state_dict()
-                compiled_opt.load_state_dict(copy.deepcopy(checkpoint))
-                eager_opt.load_state_dict(copy.deepcopy(checkpoint))
+                checkpoint = eager_opt.state_dict()  # its step counters are copies
+                compiled_opt.load_state_dict(checkpoint)
+                eager_opt.load_state_dict(checkpoint)
             _set_grads(index, compiled_params, eager_params)
             step()
             eager_opt.step()
     _assert_identical(compiled_opt, eager_opt, compiled_params, eager_params)
+
+
+@pytest.mark.parametrize("reset", ["del", "clear", "assign_entry", "assign_step"])
+def test_state_reset_retraces_with_the_new_step_counters(reset, fresh_dynamo):
+    """Resetting a param's state (or assigning its step) replaces its step counter: the
+    compiled step must advance the new one, as the eager step does."""
+    compiled_params, eager_params = _make_params("adamw-8bit"), _make_params("adamw-8bit")
+    compiled_opt = po.AdamW(compiled_params, lr=1e-2)
+    eager_opt = po.AdamW(eager_params, lr=1e-2)
+    step = torch.compile(compiled_opt.step, backend="aot_eager")
+    with torch._dynamo.config.patch(error_on_recompile=False):
+        for index in range(5):
+            if index == 3:
+                for opt, params in ((compiled_opt, compiled_params), (eager_opt, eager_params)):
+                    if reset == "del":
+                        del opt.state[params[0]]
+                    elif reset == "clear":
+                        opt.state.clear()
+                    elif reset == "assign_entry":
+                        opt.state[params[0]] = {}
+                    else:
+                        opt.state[params[0]]["step"] = torch.tensor(10.0)
+            _set_grads(index, compiled_params, eager_params)
+            step()
+            eager_opt.step()
+    _assert_identical(compiled_opt, eager_opt, compiled_params, eager_params)
+    assert float(compiled_opt.state[compiled_params[0]]["step"]) == \
+        float(eager_opt.state[eager_params[0]]["step"])
 
 
 def test_frozen_params_keep_no_state(fresh_dynamo):

@@ -334,6 +334,8 @@ def test_without_the_flag_torch_is_untouched(flag, tmp_path):
         opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])
         assert type(opt).__module__ == "torch.optim.adamw", type(opt)
         assert torch.optim.SGD.__module__ == "torch.optim.sgd"
+        # Off, pagedoptim is never imported: a broken install cannot break `import torch`.
+        assert "pagedoptim" not in sys.modules
         """, tmp_path, **variables)
     assert result.returncode == 0, result.stderr
 
@@ -362,7 +364,7 @@ def test_pth_runs_the_hook_only_when_the_flag_is_set():
     startup = (SOURCE / "_pagedoptim_startup.py").read_text()
     imports = {line.split()[1] for line in startup.splitlines()
                if line.startswith(("import ", "from "))}
-    assert imports <= {"__future__", "sys"}, imports
+    assert imports <= {"__future__", "sys", "os"}, imports  # both loaded by site already
 
 
 def test_every_pagedoptim_variable_in_the_repository_is_a_setting_or_reserved():

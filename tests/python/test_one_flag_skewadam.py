@@ -61,6 +61,15 @@ def test_what_skewadam_cannot_take_raises():
         torch.optim.AdamW(model.parameters(), amsgrad=True)
     with pytest.raises(ValueError, match="adds an L2 term"):
         torch.optim.Adam(model.parameters(), weight_decay=0.1)
+    groups = [{"params": list(model.parameters()), "weight_decay": 0.1}]
+    with pytest.raises(ValueError, match="adds an L2 term"):
+        torch.optim.Adam(groups)  # a group's own coupled decay, not only the constructor's
+    adam = torch.optim.Adam(model.parameters(), lr=LR)
+    adam.param_groups[0]["weight_decay"] = 0.1
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    with pytest.raises(ValueError, match="adds an L2 term"):
+        adam.step()  # edited after construction
     orphan = torch.nn.Parameter(torch.randn(4, 3, 2))  # 3-D, in no model: no name
     with pytest.raises(ValueError, match="names_from"):
         torch.optim.AdamW([orphan])

@@ -538,3 +538,83 @@ def test_release_grads_under_ddp_raises_on_every_rank(tmp_path):
     for rank, message, unchanged, num_states in outcomes:
         assert "data parallelism" in message, (rank, message)
         assert unchanged and num_states == 0, rank
+
+
+# -- what a review found -------------------------------------------------------------------
+
+@pytest.mark.parametrize("when", ["before_the_first_step", "replacing_the_entry"])
+def test_sgd_steps_from_a_momentum_buffer_written_through_state_as_torch(when):
+    p, q = make_pair()
+    ours = po.SGD([p], lr=0.1, momentum=0.9, **EXACT)
+    theirs = torch.optim.SGD([q], lr=0.1, momentum=0.9)
+    if when == "replacing_the_entry":
+        run_both(ours, theirs, [p], [q], 3)
+        ours.state[p] = dict(ours.state[p])
+        theirs.state[q] = dict(theirs.state[q])
+    else:
+        ours.state[p]["momentum_buffer"] = torch.full(p.shape, 10.0)
+        theirs.state[q]["momentum_buffer"] = torch.full(q.shape, 10.0)
+    run_both(ours, theirs, [p], [q], 2, start=3)
+    assert torch.equal(ours.state[p]["momentum_buffer"], theirs.state[q]["momentum_buffer"])
+    assert torch.equal(p, q)
+
+
+def test_state_dict_steps_are_snapshots_and_loads_copy_them():
+    p, q = make_pair()
+    theirs = torch.optim.AdamW([q])
+    set_grads([q], 0)
+    theirs.step()
+    ours = po.AdamW([p], **EXACT)
+    ours.load_state_dict(theirs.state_dict())
+    saved = ours.state_dict()
+    set_grads([p], 1)
+    ours.step()
+    assert float(theirs.state[q]["step"]) == 1.0  # the torch optimizer is left as it was
+    assert float(saved["state"][0]["step"]) == 1.0  # the snapshot too
+    assert float(ours.state[p]["step"]) == 2.0
+
+
+def test_a_copy_read_before_a_load_is_stale_after_it():
+    p, _ = make_pair()
+    ours = po.AdamW([p], **EXACT)
+    set_grads([p], 0)
+    ours.step()
+    saved = ours.state_dict()
+    old = ours.state[p]["exp_avg"]
+    ours.load_state_dict(saved)
+    old.fill_(123.0)
+    with pytest.raises(StaleStateWriteError, match="a load"):
+        ours.step()
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(), dict(amsgrad=True), dict(weight_decay=0.0)])
+@pytest.mark.parametrize("state_bits", [8, 32])
+def test_pages_chosen_for_the_state_hold_all_of_it(kwargs, state_bits):
+    """choose_page_bytes lays pages out as the native geometry does (stream alignment
+    included): a state under 2 MiB fits one page of each kind, exactly."""
+    gen = torch.Generator().manual_seed(state_bits)
+    for trial in range(5):
+        shapes = [tuple(int(d) for d in torch.randint(1, 300, (int(torch.randint(1, 3, (1,),
+                  generator=gen)),), generator=gen)) for _ in range(int(torch.randint(1, 9, (1,),
+                  generator=gen)))]
+        params = [nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s, dtype in
+                  zip(shapes, [torch.float32, torch.bfloat16] * 5)]
+        opt = po.AdamW(params, state_bits=state_bits, **kwargs)
+        set_grads(params, trial)
+        opt.step()
+        kinds = {p.dtype for p in params}  # fp32 and bf16 (with a residual): one kind each
+        assert opt.memory_report()["num_pages"] == len(kinds), shapes
+
+
+@pytest.mark.parametrize("numel,dtype,master_bits", [
+    (301 * 32, torch.float32, None),   # fits 20 KiB without the streams' alignment, not with
+    (81 * 32, torch.bfloat16, 24),     # the same at 8 KiB
+    (31 * 32, torch.bfloat16, 32),     # and at 4 KiB
+])
+def test_pages_chosen_for_the_state_count_the_streams_alignment(numel, dtype, master_bits):
+    p = nn.Parameter(torch.randn(numel).to(dtype))
+    opt = po.AdamW([p], master_bits=master_bits)
+    set_grads([p], 0)
+    opt.step()
+    assert opt.memory_report()["num_pages"] == 1

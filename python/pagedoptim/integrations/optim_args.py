@@ -22,31 +22,18 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Mapping, Optional
 
-from pagedoptim.setting_text import parse_bool, parse_byte_size, parse_int
-
-
-def _parse_float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError("expected a number") from None
-
-
-def _or_none(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    def parse_or_none(text: str) -> Any:
-        return None if text.lower() == "none" else parse(text)
-    return parse_or_none
-
+from pagedoptim.setting_text import (optional, parse_bool, parse_byte_size, parse_float,
+                                     parse_int)
 
 _PARSERS: dict[str, Callable[[str], Any]] = {
-    "lr": _parse_float, "eps": _parse_float, "weight_decay": _parse_float,
-    "momentum": _parse_float, "dampening": _parse_float,
-    "beta1": _parse_float, "beta2": _parse_float,
+    "lr": parse_float, "eps": parse_float, "weight_decay": parse_float,
+    "momentum": parse_float, "dampening": parse_float,
+    "beta1": parse_float, "beta2": parse_float,
     "amsgrad": parse_bool, "maximize": parse_bool, "nesterov": parse_bool,
     "release_grads": parse_bool,
-    "state_bits": parse_int, "master_bits": _or_none(parse_int), "prefetch": parse_int,
-    "cache_bytes": _or_none(parse_byte_size), "page_bytes": parse_byte_size,
-    "offload": _or_none(str), "nvme_dir": str, "policy": str,
+    "state_bits": parse_int, "master_bits": optional(parse_int), "prefetch": parse_int,
+    "cache_bytes": optional(parse_byte_size), "page_bytes": parse_byte_size,
+    "offload": optional(str), "nvme_dir": str, "policy": str,
 }
 
 
