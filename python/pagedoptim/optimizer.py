@@ -36,6 +36,8 @@ LOW_PRECISION_DTYPES = (torch.bfloat16, torch.float16)
 _KIND_PLAIN = 0
 _KIND_WITH_RESIDUAL = 1
 
+_CPU = torch.device("cpu")
+
 
 class PagedOptimizer(torch.optim.Optimizer):
     """Base class; subclasses set `_kind` and implement the hooks marked below."""
@@ -222,13 +224,15 @@ class PagedOptimizer(torch.optim.Optimizer):
         """Adds param `p` to the batch. The step updates `target` and advances `step`,
         which are p and its step counter unless given: a compiled step hands over the
         tensors of its custom op, which may be functional copies of them."""
-        if p.device.type == "cuda":
+        # is_cuda / is_cpu, not .device: this runs per param per step, and every .device
+        # makes a new object.
+        if p.is_cuda:
             self._check_cuda_param(p)
-        elif p.device.type != "cpu":
+        elif not p.is_cpu:
             raise NotImplementedError(
                 f"{self._describe(p)} is on {p.device}; pagedoptim steps params on the CPU "
                 "and on CUDA devices")
-        if grad.device != p.device:
+        if not (grad.is_cpu and p.is_cpu) and grad.device != p.device:
             raise ValueError(f"the grad of {self._describe(p)} is on {grad.device}, its param "
                              f"on {p.device}: they must be on one device")
         if grad.shape != p.shape or grad.dtype != p.dtype:
@@ -285,7 +289,7 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _step_device(p: torch.Tensor) -> torch.device:
-        return p.device if p.device.type == "cuda" else torch.device("cpu")
+        return p.device if p.is_cuda else _CPU
 
     # -- gradient release ------------------------------------------------------------------
 

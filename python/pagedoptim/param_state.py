@@ -58,6 +58,7 @@ class ParamState(collections.abc.MutableMapping):
         self._param = param
         self._plain: dict[Any, Any] = {}
         self._hidden_step: Optional[torch.Tensor] = None
+        self._checked_step: Optional[torch.Tensor] = None  # the step tensor last found right
         self._checked_out: dict[str, _CheckedOut] = {}
 
     @property
@@ -128,6 +129,8 @@ class ParamState(collections.abc.MutableMapping):
         is `state['step']` when the algorithm keeps it in its state as torch does (public),
         else kept out of the mapping (torch.optim.SGD has no 'step')."""
         step = self._plain.get("step") if public else self._hidden_step
+        if step is not None and step is self._checked_step:
+            return step  # the usual case, checked when it was made (this runs every step)
         if not (isinstance(step, torch.Tensor) and step.dtype == torch.float32
                 and step.dim() == 0 and step.device == device):
             value = 0.0 if step is None else float(step)
@@ -140,6 +143,7 @@ class ParamState(collections.abc.MutableMapping):
                 self._plain["step"] = step
             else:
                 self._hidden_step = step
+        self._checked_step = step
         return step
 
     def set_hidden_step(self, value: Any) -> None:
