@@ -125,7 +125,8 @@ def _convert_param(index: Any, given: Mapping[str, Any], moments: list[Moment], 
                 converted[spec.name] = given[spec.name]
                 continue
             value = state_format.convert_for_stream(spec, moments, given, shape.numel())
-            converted[spec.name] = value if spec.per_group else value.reshape(shape)
+            converted[spec.name] = value.reshape(state_format.group_shape(shape) if spec.per_group
+                                                  else shape)
             changed = True
     return converted, changed
 

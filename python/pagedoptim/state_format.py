@@ -12,6 +12,7 @@ from the companded streams with the same codec the kernels use.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import torch
@@ -40,9 +41,20 @@ class StreamSpec:
 
     def tensor_from_bytes(self, raw: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         """The stream's raw bytes (from the engine) as a tensor of its dtype: element streams
-        shaped like the parameter, per-group streams flat."""
+        shaped like the parameter's state, per-group streams shaped by `group_shape`."""
         values = raw.view(self.dtype)
-        return values if self.per_group else values.view(shape)
+        return values.view(group_shape(shape) if self.per_group else shape)
+
+
+def group_shape(shape: torch.Size) -> torch.Size:
+    """The shape of a per-group stream (the scales) of state shaped `shape`. Groups are 32
+    consecutive elements in flat order; where the last dimension is a multiple of 32 they
+    never cross one of its rows, and the scales take the state's shape with that dimension
+    divided by 32, so a shard of the param along any dimension that keeps whole groups is
+    the same shard of its scales (pagedoptim/sharded_params.py). Else they are flat."""
+    if len(shape) >= 2 and shape[-1] % GROUP_SIZE == 0:
+        return torch.Size([*shape[:-1], shape[-1] // GROUP_SIZE])
+    return torch.Size([(math.prod(shape) + GROUP_SIZE - 1) // GROUP_SIZE])
 
 
 def moment_streams(moment: Moment, state_bits: int) -> list[StreamSpec]:
@@ -51,6 +63,11 @@ def moment_streams(moment: Moment, state_bits: int) -> list[StreamSpec]:
     codes = torch.uint8 if moment.second else torch.int8
     return [StreamSpec(f"{moment.name}_codes", GROUP_SIZE, False, codes),
             StreamSpec(f"{moment.name}_scales", 2, True, torch.float16)]
+
+
+def is_group_stream(name: str) -> bool:
+    """Whether the stream (or state_dict key) `name` holds one value per group of 32."""
+    return name.endswith("_scales")
 
 
 def residual_stream(master_bits: int) -> StreamSpec:
