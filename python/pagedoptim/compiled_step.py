@@ -38,6 +38,8 @@ from typing import Any, Optional
 
 import torch
 
+from pagedoptim import sharded_params
+
 OP_NAME = "pagedoptim::step_params_"
 
 _next_id = itertools.count(1)
@@ -93,6 +95,11 @@ def _prepare(optimizer: Any) -> int:
         optimizer._compiled_plan = plan
     plan.amp_scaling = bool(optimizer._step_supports_amp_scaling)
     for position, p in enumerate(optimizer._indexed_params()):
+        if sharded_params.is_dtensor(p):
+            raise RuntimeError(f"torch.compile of {type(optimizer).__name__}.step() with "
+                               f"DTensor params (param {position}) is not supported: the "
+                               "step's custom op takes plain tensors. Call step() outside the "
+                               "compiled region (FSDP2 steps the local shards eagerly)")
         if p.grad is not None:
             plan.steps[position] = optimizer._step_counter(p)
     return optimizer_id

@@ -20,7 +20,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from pagedoptim import compiled_step, paging, release_guard, state_format, torch_flags
+from pagedoptim import (compiled_step, paging, release_guard, sharded_params, state_format,
+                        torch_flags)
 from pagedoptim._native import native
 from pagedoptim.checkpoint_algorithms import check_algorithm
 from pagedoptim.options import PagingOptions
@@ -55,6 +56,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._slots: dict[torch.Tensor, int] = {}
         self._device: Optional[torch.device] = None
         self._page_bytes: Optional[int] = None  # chosen when the engine is created
+        self._shard_layouts: dict[torch.Tensor, sharded_params.ShardLayout] = {}
         self._release_hooks: list[Any] = []
         self._released_this_round: set[int] = set()
         if isinstance(params, (set, frozenset)):
@@ -108,6 +110,13 @@ class PagedOptimizer(torch.optim.Optimizer):
         for index, p in enumerate(tensors):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"params[{index}] must be a Tensor, got {type(p).__name__}")
+            sharded_params.check_param_type(p, f"params[{index}]")
+            if self._options.release_grads and sharded_params.is_dtensor(p):
+                # FSDP2 sets the reduced, sharded grad after backward, where no
+                # post-accumulate-grad hook sees it: a released step would never run.
+                raise ValueError(f"params[{index}] is a DTensor (FSDP2, tensor parallelism): "
+                                 "release_grads=True steps each param inside backward, before "
+                                 "its gradient is reduced and sharded; use release_grads=False")
             if p.dtype not in _SUPPORTED_DTYPES:
                 raise ValueError(f"params[{index}] has dtype {p.dtype}; pagedoptim supports "
                                  "float32, bfloat16, float16 and complex64 params")
@@ -239,6 +248,10 @@ class PagedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"the grad of {self._describe(p)} has shape {tuple(grad.shape)} "
                              f"and dtype {grad.dtype}; it must match its param")
         values = p if target is None else target
+        if sharded_params.is_dtensor(p) or sharded_params.is_dtensor(grad):
+            # FSDP2 / tensor parallelism: the local shards are stepped, with state for them.
+            grad = sharded_params.local_grad(p, grad, lambda: self._describe(p))
+            values = sharded_params.local_tensor(values)
         if p.is_complex():
             # As torch.optim does: a complex param and its state are stepped as the real
             # view, every real and imaginary part an element of its own.
@@ -376,6 +389,8 @@ class PagedOptimizer(torch.optim.Optimizer):
             engine = self._ensure_engine()
             kind = self._kind_of(p)
             if self._kinds[kind]:
+                if any(spec.per_group for spec in self._kinds[kind]):
+                    self._shard_groups(p)  # raises where a shard would cut a scale group
                 # Pages start zeroed: a zero residual makes the master weight exactly the
                 # 16-bit parameter, which is right for a weight never split before.
                 slot = engine.register_param(_state_numel(p), kind)
@@ -392,6 +407,38 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def _streams_of(self, p: torch.Tensor) -> list[StreamSpec]:
         return self._kinds[self._kind_of(p)]
+
+    # -- DTensor params: state of the local shard (see pagedoptim/sharded_params.py) --------
+
+    def _shard_layout(self, p: torch.Tensor) -> Optional[sharded_params.ShardLayout]:
+        """How p's state is sharded (None: p is not a DTensor)."""
+        if not sharded_params.is_dtensor(p):
+            return None
+        layout = self._shard_layouts.get(p)
+        if layout is None:
+            layout = self._shard_layouts[p] = sharded_params.shard_layout(p)
+        return layout
+
+    def _shard_groups(self, p: torch.Tensor) -> None:
+        layout = self._shard_layout(p)
+        if layout is not None:
+            layout.scales(self._describe(p))
+
+    def _as_public(self, p: torch.Tensor, value: torch.Tensor, per_group: bool) -> torch.Tensor:
+        """A stream of p's state as optimizer.state and state_dict() show it: a DTensor placed
+        as the global stream would be for a DTensor param, else the local tensor itself."""
+        layout = self._shard_layout(p)
+        if layout is None:
+            return value
+        return sharded_params.as_dtensor(layout, value, per_group, self._describe(p))
+
+    def _as_local(self, p: torch.Tensor, name: str, value: Any, where: str) -> Any:
+        """A given stream of p (loaded, or assigned to optimizer.state) as p's local shard."""
+        layout = self._shard_layout(p)
+        if layout is None or not isinstance(value, torch.Tensor):
+            return value
+        return sharded_params.local_part(layout, value, state_format.is_group_stream(name),
+                                         where)
 
     # -- state in pages, as optimizer.state shows it (see pagedoptim/param_state.py) --------
 
@@ -439,7 +486,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                                                     _state_numel(p)).reshape(shape)
         if p.is_complex() and value.dtype == torch.float32 and value.shape == shape:
             value = torch.view_as_complex(value)
-        return value
+        return self._as_public(p, value, state_format.is_group_stream(key))
 
     def _write_state_tensor(self, p: torch.Tensor, key: str, value: torch.Tensor) -> None:
         self._write_param_streams(p, {key: value}, complete=False,
@@ -456,7 +503,8 @@ class PagedOptimizer(torch.optim.Optimizer):
                 return
             raise ValueError(f"{where}: {type(self).__name__} keeps no state for this param "
                              "with these hyperparameters")
-        given = {name: _as_real(value, where) for name, value in given.items()}
+        given = {name: _as_real(self._as_local(p, name, value, where), where)
+                 for name, value in given.items()}
         numel = _state_numel(p)
         converted = []
         for spec in self._streams_of(p):
@@ -571,15 +619,15 @@ class PagedOptimizer(torch.optim.Optimizer):
             p = params[index]
             for moment in self._moments():
                 spec = StreamSpec(moment.name, 4 * state_format.GROUP_SIZE, False, torch.float32)
-                tensor = state_format.convert_for_stream(spec, moments,
-                                                         {k: _as_real(v, moment.name)
-                                                          for k, v in value.items()
-                                                          if isinstance(v, torch.Tensor)},
-                                                         _state_numel(p))
+                tensor = state_format.convert_for_stream(
+                    spec, moments, {k: _as_real(self._as_local(p, k, v, moment.name), moment.name)
+                                    for k, v in value.items() if isinstance(v, torch.Tensor)},
+                    _state_numel(p))
                 if tensor is not None:
                     tensor = tensor.reshape(_state_shape(p))
-                    converted[moment.name] = (torch.view_as_complex(tensor.contiguous())
-                                              if p.is_complex() else tensor)
+                    if p.is_complex():
+                        tensor = torch.view_as_complex(tensor.contiguous())
+                    converted[moment.name] = self._as_public(p, tensor, per_group=False)
             state_dict["state"][index] = converted
         return state_dict
 
@@ -702,6 +750,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._engine = None
         self._slots = {}
         self._page_bytes = None
+        self._shard_layouts = {}
         self._release_hooks = []
         self._released_this_round = set()
         self.state = StateMap(self)
@@ -733,11 +782,13 @@ class PagedOptimizer(torch.optim.Optimizer):
         paged CPU state), 'host_tier' and 'nvme' (the tier below a CPU cache, the page
         file).
         """
-        params = self._indexed_params()
+        # A DTensor param counts its local shard: what this rank holds.
+        params = [sharded_params.local_tensor(p) for p in self._indexed_params()]
         num_elements = sum(p.numel() for p in params)
         param_bytes = sum(p.numel() * p.element_size() for p in params)
-        grad_bytes = sum(p.grad.numel() * p.grad.element_size()
-                         for p in params if p.grad is not None)
+        grads = [sharded_params.local_tensor(p.grad) for p in self._indexed_params()
+                 if p.grad is not None]
+        grad_bytes = sum(g.numel() * g.element_size() for g in grads)
         moment_bytes = scale_bytes = residual_bytes = 0
         page_bytes = num_pages = 0
         placement: dict[str, int] = {}
@@ -791,12 +842,14 @@ class PagedOptimizer(torch.optim.Optimizer):
 
 
 def _state_numel(p: torch.Tensor) -> int:
-    """Elements of state per param: a complex param has two per element (its real view)."""
-    return p.numel() * (2 if p.is_complex() else 1)
+    """Elements of state per param: a complex param has two per element (its real view);
+    a DTensor param keeps state for its local shard."""
+    return sharded_params.local_tensor(p).numel() * (2 if p.is_complex() else 1)
 
 
 def _state_shape(p: torch.Tensor) -> torch.Size:
-    return torch.Size([*p.shape, 2]) if p.is_complex() else p.shape
+    shape = sharded_params.local_tensor(p).shape
+    return torch.Size([*shape, 2]) if p.is_complex() else shape
 
 
 def _as_real(value: Any, where: str) -> torch.Tensor:

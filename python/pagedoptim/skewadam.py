@@ -23,7 +23,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 
-from pagedoptim import state_format, torch_flags
+from pagedoptim import sharded_params, state_format, torch_flags
 from pagedoptim._validation import check_betas, check_non_negative
 from pagedoptim.optimizer import LOW_PRECISION_DTYPES, PagedOptimizer
 from pagedoptim.options import PagingOptions
@@ -58,7 +58,9 @@ class ParamLayout:
 
 
 def layout_of(p: torch.Tensor, tier: str) -> ParamLayout:
-    """The state layout of a parameter of this tier (shape already validated)."""
+    """The state layout of a parameter of this tier (shape already validated); of its local
+    shard for a DTensor param."""
+    p = sharded_params.local_tensor(p)
     momentum = tier != EXPERTS
     if tier == ROUTER or p.dim() < 2 or p.numel() == 0:
         return ParamLayout(tier, False, momentum)
@@ -258,6 +260,8 @@ class SkewAdam(PagedOptimizer):
         slot = super()._slot(p)
         if p not in self._factor_slots:
             layout = self._layout(p)
+            if layout.factored:
+                self._factor_layout(p)  # raises where a shard cuts a factored matrix
             self._factor_slots[p] = (self._engine.register_param(layout.factor_numel,
                                                                  _FACTOR_KIND)
                                      if layout.factored else -1)
@@ -296,6 +300,36 @@ class SkewAdam(PagedOptimizer):
             keys += [ROW, COL]
         return keys
 
+    def _factor_layout(self, p: torch.Tensor) -> Optional[tuple[Any, Any]]:
+        """How the row and the column means of DTensor param p are sharded (None: p is not a
+        DTensor). They are exact only where each rank holds whole [rows, cols] matrices: the
+        column means of a matrix split across ranks would need every rank's rows."""
+        layout = self._shard_layout(p)
+        if layout is None:
+            return None
+        elements = layout.elements
+        split = [d for d, (n, g) in enumerate(zip(elements.local_shape, elements.global_shape))
+                 if n != g]
+        if any(d != 0 or len(elements.global_shape) != 3 for d in split):
+            raise ValueError(
+                f"{self._describe(p)} is sharded {layout.placements} so that its local shard "
+                f"{elements.local_shape} of {elements.global_shape} cuts a matrix whose "
+                "second moment SkewAdam factors into row and column means, which need the "
+                "whole matrix on one rank. Shard [experts, rows, cols] tensors along dim 0 "
+                "(the experts) only, and keep 2-D params in the factored tiers whole (or use "
+                "pagedoptim.AdamW under FSDP2)")
+        experts, offset = elements.local_shape[0], elements.offset[0]
+        rows, cols = elements.global_shape[-2:]
+        boxes = []
+        for n in (rows, cols):
+            if len(elements.global_shape) == 3:
+                boxes.append(sharded_params.Box((elements.global_shape[0], n), (experts, n),
+                                                (offset, 0)))
+            else:
+                boxes.append(sharded_params.Box((n,), (n,), (0,)))
+        return tuple(sharded_params.ShardLayout(layout.mesh, layout.placements, box)
+                     for box in boxes)
+
     def _factors(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The row and column means of p's factored second moment (new tensors), each
         [experts, n] for a 3-D expert tensor and flat otherwise."""
@@ -310,6 +344,10 @@ class SkewAdam(PagedOptimizer):
     def _read_state_tensor(self, p: torch.Tensor, key: str) -> torch.Tensor:
         if key in (ROW, COL):
             row, col = self._factors(p)
+            layouts = self._factor_layout(p)
+            if layouts is not None:  # DTensors, placed as the param is
+                row, col = (sharded_params.as_dtensor(layout, value, False, key)
+                            for layout, value in zip(layouts, (row, col)))
             return row if key == ROW else col
         return super()._read_state_tensor(p, key)
 
@@ -327,6 +365,10 @@ class SkewAdam(PagedOptimizer):
 
     def _write_factors(self, p: torch.Tensor, row: torch.Tensor, col: torch.Tensor,
                        where: str) -> None:
+        layouts = self._factor_layout(p)
+        if layouts is not None:
+            row, col = (sharded_params.local_part(layout, value, False, where)
+                        for layout, value in zip(layouts, (row, col)))
         layout = self._layout(p)
         if (row.numel() != layout.experts * layout.rows
                 or col.numel() != layout.experts * layout.cols):
@@ -413,11 +455,12 @@ class SkewAdam(PagedOptimizer):
                 state_bytes += factor_bytes
             if "step" in self.state.get(p, {}):  # dict.get: no entry is made for p
                 state_bytes += 4
-            params[name] = {"tier": layout.tier, "shape": tuple(p.shape),
+            params[name] = {"tier": layout.tier,
+                            "shape": tuple(sharded_params.local_tensor(p).shape),
                             "second_moment": "factored" if layout.factored else "exact",
                             "momentum": layout.momentum, "state_bytes": state_bytes}
             tiers[layout.tier]["num_params"] += 1
-            tiers[layout.tier]["num_elements"] += p.numel()
+            tiers[layout.tier]["num_elements"] += sharded_params.local_tensor(p).numel()
             tiers[layout.tier]["state_bytes"] += state_bytes
         report["factor_bytes"] = factor_total
         report["page_slack_bytes"] -= factor_total

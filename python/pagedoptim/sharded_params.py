@@ -1,0 +1,226 @@
+"""DTensor params (FSDP2, tensor parallelism): the optimizer steps and keeps their local shard.
+
+A DTensor param stands for one shard of a global tensor: its `data_ptr()` is not the shard's
+and its `numel()` is the global count, so the engine must never see it. The optimizer steps
+`p.to_local()` with `p.grad.to_local()` and keeps state for the local shard only, laid out
+as the same elements of the unsharded param's state would be (docs/distributed.md):
+
+* element streams (fp32 moments, 8-bit codes, master residuals) are shaped like the param,
+  so their shard is the param's shard;
+* per-group streams (the fp16 scale of each group of 32 elements, groups in flat element
+  order) have the shape `state_format.group_shape`: the param's with the last dimension
+  divided by 32 where it divides (groups then never cross a row of the last dimension),
+  else flat. A shard's state is the shard of the global state only where the shard holds
+  whole groups; `ShardLayout.scales` checks that and raises otherwise, because a scale
+  computed over part of a group would silently change the result.
+
+state_dict() hands the state out as DTensors with the param's mesh and placements (the
+scales' placements follow from their shape), so DCP saves, gathers (full_state_dict) and
+reshards it as it does the param; loading takes DTensors, or plain tensors of the local or
+the global shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from typing import Any, Callable, Optional
+
+import torch
+
+from pagedoptim.state_format import GROUP_SIZE, group_shape
+
+
+def _dtensor_type() -> Optional[type]:
+    # No DTensor can exist before torch.distributed.tensor is imported, so a process that
+    # never imported it pays nothing here (this runs for every param of every step).
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
+
+
+def is_dtensor(value: Any) -> bool:
+    dtensor = _dtensor_type()
+    return dtensor is not None and isinstance(value, dtensor)
+
+
+def check_param_type(p: torch.Tensor, where: str) -> None:
+    """Raises for a tensor subclass whose elements the kernels cannot reach: a wrapper
+    subclass other than DTensor (its data_ptr() is not its elements')."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    if is_dtensor(p):
+        local = local_tensor(p)
+        if is_traceable_wrapper_subclass(local):
+            raise TypeError(f"{where} is a DTensor whose local shard is a "
+                            f"{type(local).__name__}; pagedoptim steps DTensors over plain "
+                            "local tensors")
+        return
+    if is_traceable_wrapper_subclass(p):
+        raise TypeError(f"{where} is a {type(p).__name__}, a tensor subclass pagedoptim cannot "
+                        "step: it steps plain tensors (and nn.Parameter) and DTensors "
+                        "(FSDP2, tensor parallelism)")
+
+
+def local_tensor(value: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view of its storage); any other tensor as it is."""
+    if not is_dtensor(value):
+        return value
+    with torch.no_grad():  # a view for the kernels, not a node of the autograd graph
+        return value.to_local()
+
+
+def local_grad(p: torch.Tensor, grad: torch.Tensor, where: Callable[[], str]) -> torch.Tensor:
+    """The gradient the kernels take for DTensor param `p`: the local shard of its grad,
+    which must be a DTensor placed as `p` is. `where()` names the param in errors."""
+    param_is_dtensor, grad_is_dtensor = is_dtensor(p), is_dtensor(grad)
+    if param_is_dtensor != grad_is_dtensor:
+        kind = {True: "a DTensor", False: "a plain tensor"}
+        raise ValueError(f"the grad of {where()} is {kind[grad_is_dtensor]} and its param "
+                         f"{kind[param_is_dtensor]}; they must be both DTensors placed "
+                         "alike, or both plain tensors")
+    if grad.device_mesh != p.device_mesh or tuple(grad.placements) != tuple(p.placements):
+        raise ValueError(f"the grad of {where()} has placements {tuple(grad.placements)} on "
+                         f"{grad.device_mesh}, its param {tuple(p.placements)} on "
+                         f"{p.device_mesh}; they must match (a Partial grad has not been "
+                         "reduced yet)")
+    return local_tensor(grad)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, stride = [], 1
+    for size in reversed(shape):
+        strides.append(stride)
+        stride *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+@dataclasses.dataclass(frozen=True)
+class Box:
+    """Where a local shard sits in a global tensor: its shape and its offset per dim."""
+
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + n) for o, n in zip(self.offset, self.local_shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """How the state of one DTensor param is sharded: the element streams' box (the
+    param's, with a trailing [0, 2) for the real view of a complex param) and its mesh and
+    placements."""
+
+    mesh: Any
+    placements: tuple
+    elements: Box
+
+    def scales(self, where: str) -> tuple[Box, tuple]:
+        """The per-group streams' box and placements. Raises where the local shard cuts a
+        group: its scale would be computed over part of the group's elements."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        if any(type(pl) not in (Shard, Replicate) for pl in self.placements):
+            raise ValueError(f"{where} has placements {self.placements}; pagedoptim's 8-bit "
+                             "state shards along Shard and Replicate placements only (use "
+                             "state_bits=32 for other layouts)")
+        elements = self.elements
+        scale_shape = tuple(group_shape(torch.Size(elements.global_shape)))
+        numel = math.prod(elements.local_shape)
+        if len(scale_shape) == len(elements.global_shape):
+            # Groups run along the last dimension, never across its rows.
+            placements = self.placements
+            whole = (elements.offset[-1] % GROUP_SIZE == 0
+                     and elements.local_shape[-1] % GROUP_SIZE == 0)
+            box = Box(scale_shape, (*elements.local_shape[:-1],
+                                    elements.local_shape[-1] // GROUP_SIZE),
+                      (*elements.offset[:-1], elements.offset[-1] // GROUP_SIZE))
+        else:
+            # Flat groups: the shard must be one run of whole groups in flat element order.
+            placements = tuple(Shard(0) if isinstance(pl, Shard) else pl
+                               for pl in self.placements)
+            start = sum(o * s for o, s in zip(elements.offset,
+                                              _contiguous_strides(elements.global_shape)))
+            end, total = start + numel, math.prod(elements.global_shape)
+            whole = (_is_one_run(elements) and start % GROUP_SIZE == 0
+                     and (end % GROUP_SIZE == 0 or end == total))
+            groups = -(-end // GROUP_SIZE) - start // GROUP_SIZE if numel else 0
+            box = Box(scale_shape, (groups,), (start // GROUP_SIZE,))
+        if whole:
+            local_shape, offset = compute_local_shape_and_global_offset(
+                torch.Size(scale_shape), self.mesh, placements)
+            whole = tuple(local_shape) == box.local_shape and (
+                numel == 0 or tuple(offset) == box.offset)
+        if not whole:
+            raise ValueError(
+                f"{where} is sharded {self.placements} so that its local shard (shape "
+                f"{elements.local_shape} at offset {elements.offset} of "
+                f"{elements.global_shape}) does not hold whole groups of {GROUP_SIZE} "
+                "elements, which share one 8-bit scale: its 8-bit state would differ from "
+                "the unsharded param's. Use state_bits=32, or shard it so that each shard's "
+                f"last dimension (the length of a 1-D param) is a multiple of {GROUP_SIZE}")
+        return box, placements
+
+
+def _is_one_run(box: Box) -> bool:
+    """Whether the box is one contiguous range of the global tensor in row-major order."""
+    if math.prod(box.local_shape) == 0:
+        return True
+    cut = [d for d, (n, g) in enumerate(zip(box.local_shape, box.global_shape)) if n != g]
+    return not cut or all(box.local_shape[d] == 1 for d in range(cut[-1]))
+
+
+def shard_layout(p: torch.Tensor) -> ShardLayout:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh,
+                                                                p.placements)
+    global_shape, local_shape, offset = tuple(p.shape), tuple(local_shape), tuple(offset)
+    if local_shape != tuple(local_tensor(p).shape):
+        raise ValueError(f"a DTensor param's local shard has shape {tuple(local_tensor(p).shape)}, "
+                         f"but its placements {tuple(p.placements)} give {local_shape}: "
+                         "pagedoptim steps DTensors whose shards follow their placements")
+    if p.is_complex():  # the state is the real view: a trailing dim of 2
+        global_shape, local_shape, offset = (*global_shape, 2), (*local_shape, 2), (*offset, 0)
+    return ShardLayout(p.device_mesh, tuple(p.placements),
+                       Box(global_shape, local_shape, offset))
+
+
+def as_dtensor(layout: ShardLayout, local: torch.Tensor, per_group: bool,
+               where: str) -> torch.Tensor:
+    """A stream of the local shard as a DTensor placed as the global stream would be."""
+    from torch.distributed.tensor import DTensor
+    if per_group:
+        box, placements = layout.scales(where)
+        shape = box.global_shape
+    else:
+        placements = layout.placements
+        shape = layout.elements.global_shape
+        if local.is_complex():  # the complex moment of a complex param: the param's shape
+            shape = shape[:-1]
+    return DTensor.from_local(local, layout.mesh, placements, run_check=False,
+                              shape=torch.Size(shape), stride=_contiguous_strides(shape))
+
+
+def local_part(layout: ShardLayout, value: torch.Tensor, per_group: bool,
+               where: str) -> torch.Tensor:
+    """The local shard's part of a loaded stream: a DTensor's local shard (redistributed
+    first if it is placed otherwise on the same mesh), or a plain tensor as it is when it has
+    the local shard's size, or sliced when it holds the whole global stream."""
+    if per_group:
+        box, placements = layout.scales(where)
+    else:
+        box, placements = layout.elements, layout.placements
+    if is_dtensor(value):
+        if value.device_mesh != layout.mesh:
+            raise ValueError(f"{where} is a DTensor on {value.device_mesh}, its param on "
+                             f"{layout.mesh}")
+        if tuple(value.placements) != tuple(placements):
+            value = value.redistribute(layout.mesh, placements)
+        return local_tensor(value)
+    if value.is_complex():
+        value = torch.view_as_real(value)
+    local_numel, global_numel = math.prod(box.local_shape), math.prod(box.global_shape)
+    if value.numel() == global_numel and global_numel != local_numel:
+        return value.reshape(box.global_shape)[box.slices()]
+    return value

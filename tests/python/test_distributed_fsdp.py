@@ -1,0 +1,186 @@
+"""FSDP2 (DTensor params) on two gloo ranks: pagedoptim steps the local shards.
+
+Every rank trains the same tiny MLP, sharded with fully_shard, on the same batches, so the
+reduce-scattered gradient ((g + g) / 2) is bit for bit the gradient of an unsharded copy
+of the model trained in the same process. That makes three references exact:
+
+- torch.optim under the same FSDP2 setup (exact mode must match it to fp32 rounding);
+- the same pagedoptim optimizer on the unsharded copy (any mode must match it bit for bit:
+  the kernels are elementwise, and 8-bit scale groups never straddle a shard here);
+- the unsharded optimizer's state_dict, which the gathered DTensor state must equal.
+
+All cases run in one spawn of two ranks (a module fixture), and each test reads its case.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import pagedoptim as po
+from conftest import FP32_TOL, LionReference, max_abs, relative_error
+from ranks import run_ranks
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
+                                reason="torch was built without torch.distributed")
+
+STEPS = 4
+EXACT = dict(state_bits=32, master_bits=None)
+
+# name: (our optimizer, its kwargs, torch's equivalent or None, the model's dtype)
+CASES = {
+    "adamw-exact": (po.AdamW, dict(lr=1e-2, weight_decay=0.1, **EXACT),
+                    (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)), torch.float32),
+    "adamw-amsgrad-exact": (po.AdamW, dict(lr=1e-2, amsgrad=True, **EXACT),
+                            (torch.optim.AdamW, dict(lr=1e-2, amsgrad=True)), torch.float32),
+    "sgd-nesterov-exact": (po.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, **EXACT),
+                           (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True)),
+                           torch.float32),
+    "lion-exact": (po.Lion, dict(lr=1e-3, weight_decay=0.1, **EXACT),
+                   (LionReference, dict(lr=1e-3, weight_decay=0.1)), torch.float32),
+    "adamw-8bit": (po.AdamW, dict(lr=1e-2, weight_decay=0.1), None, torch.float32),
+    "adamw-8bit-bf16-residual": (po.AdamW, dict(lr=1e-2), None, torch.bfloat16),
+    "sgd-8bit": (po.SGD, dict(lr=0.05, momentum=0.9), None, torch.float32),
+    "lion-8bit-bf16-int16-residual": (po.Lion, dict(lr=1e-3, master_bits=32), None,
+                                      torch.bfloat16),
+    "adamw-nvme": (po.AdamW, dict(lr=1e-2, offload="nvme", cache_bytes=1 << 16,
+                                  page_bytes=1 << 12), None, torch.float32),
+}
+
+
+class Net(nn.Module):
+    """Every last dimension and every 1-D shard on two ranks is a multiple of 32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(64, 128)
+        self.fc2 = nn.Linear(128, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def sharded_and_plain(dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
+    """The same freshly initialised Net twice: FSDP2-sharded, and an unsharded copy."""
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = Net().to(dtype)
+    plain = copy.deepcopy(model)
+    fully_shard(model.fc1)
+    fully_shard(model.fc2)
+    fully_shard(model)
+    return model, plain
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    dtype = next(model.parameters()).dtype
+    for _ in range(steps):
+        x = torch.randn(8, 64, generator=generator).to(dtype)
+        model(x).float().square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def full(value: object) -> object:
+    """The whole tensor behind a DTensor (gloo gathers no int16: the int16 master residual
+    goes through int32)."""
+    if not hasattr(value, "full_tensor"):
+        return value
+    if value.dtype == torch.int16:
+        return value.to(torch.int32).full_tensor().to(torch.int16)
+    return value.full_tensor()
+
+
+def _equivalence_worker(rank: int, world_size: int, nvme_dir: str) -> dict:
+    from torch.distributed.tensor import DTensor
+    results = {}
+    for name, (ours_cls, kwargs, reference, dtype) in CASES.items():
+        kwargs = dict(kwargs, nvme_dir=nvme_dir) if "offload" in kwargs else kwargs
+        model, plain = sharded_and_plain(dtype)
+        optimizer = ours_cls(model.parameters(), **kwargs)
+        single = ours_cls(plain.parameters(), **kwargs)
+        train(model, optimizer, STEPS, seed=1)
+        train(plain, single, STEPS, seed=1)
+        case = {"params": [full(p).detach() for p in model.parameters()],
+                "single_params": [p.detach().clone() for p in plain.parameters()],
+                "initial_params": [p.detach() for p in sharded_and_plain(dtype)[1].parameters()]}
+        state, single_state = optimizer.state_dict(), single.state_dict()
+        case["state_equal"] = {
+            (index, key): torch.equal(full(value), single_state["state"][index][key])
+            for index, entry in state["state"].items() for key, value in entry.items()}
+        params = list(model.parameters())
+        case["dtensor_placements_match"] = all(
+            isinstance(value, DTensor) and value.placements == params[index].placements
+            for index, entry in state["state"].items() for key, value in entry.items()
+            if key != "step")
+        case["state_keys_match"] = all(
+            set(entry) == set(single_state["state"][index]) for index, entry in
+            state["state"].items()) and set(state["state"]) == set(single_state["state"])
+        report, single_report = optimizer.memory_report(), single.memory_report()
+        case["num_elements"] = (report["num_elements"], single_report["num_elements"],
+                                sum(p.to_local().numel() for p in params))
+        case["moment_bytes"] = (report["moment_bytes"], single_report["moment_bytes"])
+        if reference is not None:
+            torch_model, _ = sharded_and_plain(dtype)
+            torch_cls, torch_kwargs = reference
+            torch_optimizer = torch_cls(torch_model.parameters(), **torch_kwargs)
+            train(torch_model, torch_optimizer, STEPS, seed=1)
+            case["torch_params"] = [full(p).detach() for p in torch_model.parameters()]
+            # LionReference marks the elements whose sign() was a rounding-level tie (gloo
+            # gathers no bool tensors, hence the uint8).
+            case["ties"] = [full(torch_optimizer.state[p]["tie"].to(torch.uint8)).bool()
+                            if "tie" in torch_optimizer.state[p] else None
+                            for p in torch_model.parameters()]
+        results[name] = case
+    return results
+
+
+@pytest.fixture(scope="module")
+def equivalence(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("fsdp")
+    return run_ranks(_equivalence_worker, 2, str(tmp_path), tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fsdp2_steps_like_one_process_bit_for_bit(equivalence, name):
+    for rank, results in enumerate(equivalence):
+        case = results[name]
+        for index, (ours, single) in enumerate(zip(case["params"], case["single_params"])):
+            assert torch.equal(ours, single), (rank, index)
+        assert not any(torch.equal(ours, initial) for ours, initial in
+                       zip(case["params"], case["initial_params"])), "a param never moved"
+
+
+@pytest.mark.parametrize("name", [n for n, case in CASES.items() if case[2] is not None])
+def test_fsdp2_exact_mode_matches_torch_under_fsdp2(equivalence, name):
+    for results in equivalence:
+        case = results[name]
+        for ours, theirs, initial, ties in zip(case["params"], case["torch_params"],
+                                               case["initial_params"], case["ties"]):
+            scale = max(max_abs(theirs), max_abs(initial))
+            if ties is not None:  # only Lion's reference records ties; they are excluded
+                ours, theirs = ours[~ties], theirs[~ties]
+            assert relative_error(ours, theirs, scale) <= FP32_TOL
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fsdp2_state_is_the_shard_of_the_unsharded_state(equivalence, name):
+    for rank, results in enumerate(equivalence):
+        case = results[name]
+        assert case["state_keys_match"], rank
+        assert case["dtensor_placements_match"], rank
+        assert all(case["state_equal"].values()), (rank, [k for k, v in
+                                                          case["state_equal"].items() if not v])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fsdp2_memory_report_counts_the_local_shard(equivalence, name):
+    for results in equivalence:
+        local, single, shards = results[name]["num_elements"]
+        assert local == shards and 2 * local == single
+        local_moments, single_moments = results[name]["moment_bytes"]
+        assert 2 * local_moments == single_moments
