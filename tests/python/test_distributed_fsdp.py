@@ -184,3 +184,140 @@ def test_fsdp2_memory_report_counts_the_local_shard(equivalence, name):
         assert local == shards and 2 * local == single
         local_moments, single_moments = results[name]["moment_bytes"]
         assert 2 * local_moments == single_moments
+
+
+# -- placements other than FSDP2's default, SkewAdam, and what is refused ------------------
+
+class Moe(nn.Module):
+    """A router, [experts, rows, cols] expert weights and a norm: SkewAdam's tiers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(64, 4, bias=False)
+        self.experts = nn.Parameter(torch.randn(4, 32, 64) * 0.1)
+        self.norm = nn.LayerNorm(64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = torch.softmax(self.gate(x), dim=-1)                # [batch, experts]
+        hidden = torch.einsum("bd,erd->ber", x, self.experts)       # [batch, experts, rows]
+        return self.norm((weights.unsqueeze(-1) * hidden).sum(1).repeat(1, 2))
+
+
+def _shard(model: nn.Module, **kwargs) -> None:
+    from torch.distributed.fsdp import fully_shard
+    fully_shard(model, **kwargs)
+
+
+def _bit_for_bit(make_model, make_optimizer, shard, dtype=torch.float32) -> bool:
+    """Whether the sharded model steps exactly as its unsharded copy does."""
+    torch.manual_seed(0)
+    model = make_model().to(dtype)
+    plain = copy.deepcopy(model)
+    shard(model)
+    optimizer, single = make_optimizer(model), make_optimizer(plain)
+    train(model, optimizer, STEPS, seed=2)
+    train(plain, single, STEPS, seed=2)
+    moved = not torch.equal(full(next(model.parameters())), next(make_model().parameters()))
+    return moved and all(torch.equal(full(p), q)
+                         for p, q in zip(model.parameters(), plain.parameters()))
+
+
+def _error(make) -> str:
+    try:
+        make()
+    except (ValueError, TypeError, RuntimeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def _placements_worker(rank: int, world_size: int) -> dict:
+    from torch.distributed.tensor import Shard
+    results = {}
+    # Shard(1): 8-bit scale groups of [rows, cols / 32] split along their rows' columns.
+    results["shard1-8bit"] = _bit_for_bit(
+        Net, lambda m: po.AdamW(m.parameters(), lr=1e-2),
+        lambda m: _shard(m, shard_placement_fn=lambda p: Shard(p.dim() - 1)))
+    # SkewAdam: experts sharded along dim 0 keep whole matrices; the router and the norm
+    # keep exact second moments, which shard like any element stream.
+    results["skewadam-experts"] = _bit_for_bit(
+        Moe, lambda m: po.SkewAdam(m.named_parameters(), lr=1e-2), _shard)
+
+    def misaligned():
+        torch.manual_seed(0)
+        model = nn.Linear(64, 48)  # the bias's shards hold 24 elements
+        _shard(model)
+        optimizer = po.AdamW(model.parameters())
+        model(torch.randn(2, 64)).sum().backward()
+        optimizer.step()
+    results["misaligned-8bit"] = _error(misaligned)
+
+    def misaligned_exact_steps():
+        torch.manual_seed(0)
+        model = nn.Linear(64, 48)
+        plain = copy.deepcopy(model)
+        _shard(model)
+        optimizer = po.AdamW(model.parameters(), **EXACT)
+        single = po.AdamW(plain.parameters(), **EXACT)
+        train(model, optimizer, 2, seed=3)
+        train(plain, single, 2, seed=3)
+        return all(torch.equal(full(p), q) for p, q in zip(model.parameters(),
+                                                           plain.parameters()))
+    results["misaligned-exact"] = misaligned_exact_steps()
+
+    def skewadam_backbone():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64))
+        _shard(model)
+        optimizer = po.SkewAdam(model.named_parameters())
+        model(torch.randn(2, 64)).sum().backward()
+        optimizer.step()
+    results["skewadam-backbone"] = _error(skewadam_backbone)
+
+    def release():
+        model = Net()
+        _shard(model)
+        po.AdamW(model.parameters(), release_grads=True)
+    results["release-grads"] = _error(release)
+
+    def plain_grad_of_a_dtensor():
+        model = Net()
+        _shard(model)
+        optimizer = po.AdamW(model.parameters())
+        for p in model.parameters():
+            p.grad = torch.zeros(p.shape)
+        optimizer.step()
+    results["plain-grad"] = _error(plain_grad_of_a_dtensor)
+    return results
+
+
+@pytest.fixture(scope="module")
+def placements(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("placements")
+    return run_ranks(_placements_worker, 2, tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize("name", ["shard1-8bit", "skewadam-experts", "misaligned-exact"])
+def test_other_placements_step_like_one_process(placements, name):
+    assert all(results[name] is True for results in placements)
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("misaligned-8bit", "ValueError: param 1 .* does not hold whole groups of 32 elements"),
+    ("skewadam-backbone", "ValueError: param 0 .* cuts a matrix whose second moment SkewAdam "
+                          "factors"),
+    ("release-grads", "ValueError: params\\[0\\] is a DTensor .* use release_grads=False"),
+    ("plain-grad", "ValueError: the grad of param 0 .* is a plain tensor and its param a "
+                   "DTensor"),
+])
+def test_what_cannot_be_exact_raises_a_clear_error(placements, name, expected):
+    import re
+    for results in placements:
+        assert re.match(expected, results[name]), results[name]
+
+
+def test_a_tensor_subclass_it_cannot_step_raises():
+    from torch.testing._internal.two_tensor import TwoTensor
+    param = nn.Parameter(TwoTensor(torch.zeros(4), torch.zeros(4)))
+    with pytest.raises(TypeError, match=r"params\[0\] is a TwoTensor, a tensor subclass "
+                                        "pagedoptim cannot step"):
+        po.AdamW([param])
