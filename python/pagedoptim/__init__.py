@@ -12,3 +12,11 @@ from pagedoptim.wrap import wrap
 __all__ = ["AdamW", "Lion", "PageCorruptionError", "PageIOError", "PagedOptimizer", "SGD",
            "SkewAdam", "patch", "unpatch", "wrap"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # pagedoptim.dcp imports torch.distributed.checkpoint: only for those who use it.
+    if name == "dcp":
+        import importlib
+        return importlib.import_module("pagedoptim.dcp")
+    raise AttributeError(f"module 'pagedoptim' has no attribute {name!r}")
