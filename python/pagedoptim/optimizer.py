@@ -503,6 +503,15 @@ class PagedOptimizer(torch.optim.Optimizer):
                 return
             raise ValueError(f"{where}: {type(self).__name__} keeps no state for this param "
                              "with these hyperparameters")
+        for moment in self._all_moments():
+            if moment.name in given and ({f"{moment.name}_codes", f"{moment.name}_scales"}
+                                         & given.keys()):
+                # Which one holds the state is not for us to guess (DCP's full_state_dict
+                # load keeps this optimizer's own stale entries beside a checkpoint's).
+                raise ValueError(f"{where} holds '{moment.name}' both as fp32 and as 8-bit "
+                                 "codes or scales; give one format only (a checkpoint of the "
+                                 "other format loads through pagedoptim.dcp."
+                                 "StateFormatLoadPlanner)")
         given = {name: _as_real(self._as_local(p, name, value, where), where)
                  for name, value in given.items()}
         numel = _state_numel(p)

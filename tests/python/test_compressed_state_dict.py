@@ -246,3 +246,19 @@ def test_first_moment_decode_encode_is_idempotent():
     codes2, scales2 = native.encode_moment(native.decode_moment(codes, scales))
     assert torch.equal(codes2, codes)
     assert torch.equal(scales2.view(torch.int16), scales.view(torch.int16))
+
+
+def test_a_moment_given_in_both_formats_is_refused_not_guessed():
+    """DCP's full_state_dict load can hand over this optimizer's own (stale) codes beside a
+    checkpoint's fp32 moment: loading must say so instead of picking one."""
+    param = torch.nn.Parameter(torch.randn(64))
+    optimizer = po.AdamW([param], lr=1e-2)
+    param.grad = torch.randn(64)
+    optimizer.step()
+    state = optimizer.state_dict()
+    state["state"][0]["exp_avg"] = torch.zeros(64)
+    before = optimizer.state_dict()
+    with pytest.raises(ValueError, match="holds 'exp_avg' both as fp32 and as 8-bit codes"):
+        optimizer.load_state_dict(state)
+    after = optimizer.state_dict()
+    assert all(torch.equal(after["state"][0][k], v) for k, v in before["state"][0].items())
