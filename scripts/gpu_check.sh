@@ -13,6 +13,7 @@
 #   tests-junit.xml    the GPU tests, one entry per test
 #   bench.jsonl        benchmarks/gpu_step.py's JSON lines
 #   paging.jsonl       benchmarks/gpu_paging.py's JSON lines (link, offloaded step, 1B, 8B)
+#   fsdp2.jsonl        examples/fsdp2.py on NCCL at world size 1: one JSON line per run
 #
 # Options:
 #   --only a,b     run only these parts (in their fixed order)
@@ -29,6 +30,8 @@
 #   versions   nvidia-smi, nvcc, compute-sanitizer, python, torch, the device and its arch
 #   build      PAGEDOPTIM_WITH_CUDA=1 pip install -e . for this GPU's architecture only
 #   tests      pytest tests/python/test_cuda_step.py, test_cuda_paging.py (+ test_device_dispatch.py)
+#   fsdp2      examples/fsdp2.py with CUDA params on NCCL, world size 1: FSDP2 steps, a DCP
+#              save half-way and a resume that must end bit for bit (8-bit, and offload=host)
 #   paging     benchmarks/gpu_paging.py: link bandwidth, offloaded step, 1B and 8B training
 #   sanitize   compute-sanitizer memcheck over scripts/gpu_sanitize_cases.py
 #   bench      benchmarks/gpu_step.py
@@ -68,6 +71,7 @@ register_part() {
 register_part versions   60  10 1 0 0 "nvidia-smi, nvcc, compute-sanitizer, python, torch, device"
 register_part build     240  60 1 0 0 "pip install -e . with the CUDA kernels for this GPU"
 register_part tests     180  30 1 1 0 "pytest tests/python/test_cuda_step.py, test_cuda_paging.py"
+register_part fsdp2      90  30 1 1 0 "examples/fsdp2.py on NCCL, world size 1, DCP resume"
 register_part paging    240  60 1 1 0 "benchmarks/gpu_paging.py: link, offloaded step, 1B, 8B"
 register_part sanitize  150  40 1 1 0 "compute-sanitizer memcheck over small cases"
 register_part bench     150  30 1 1 0 "benchmarks/gpu_step.py"
@@ -276,6 +280,28 @@ run_json_bench() {
 
 part_paging() { run_json_bench "$1" benchmarks/gpu_paging.py paging.jsonl; }
 
+# FSDP2 with CUDA params: one process is a mesh of one on NCCL. Every line must come from a
+# CUDA device on NCCL and resume from its DCP checkpoint bit for bit.
+part_fsdp2() {
+  local limit=$1 out="$RESULTS/fsdp2.jsonl" rc=0 flags
+  : >"$out"
+  for flags in "" "--offload host"; do
+    # shellcheck disable=SC2086
+    timeout --kill-after=15 $(( limit / 2 )) "$PYTHON" examples/fsdp2.py --nproc 1 --steps 8 \
+      $flags | tee -a "$out"
+    [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  done
+  "$PYTHON" - "$out" <<'EOF' || rc=1
+import json, sys
+lines = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]
+bad = [line for line in lines if not (line["resumed_matches"] and line["backend"] == "nccl"
+                                      and line["device"].startswith("cuda"))]
+print(f"-- fsdp2: {len(lines)} runs, {len(bad)} not on cuda/nccl or not resumed exactly")
+sys.exit(1 if bad or len(lines) != 2 else 0)
+EOF
+  return "$rc"
+}
+
 part_bench() { run_json_bench "$1" benchmarks/gpu_step.py bench.jsonl; }
 
 # -- options --------------------------------------------------------------------------------
@@ -421,8 +447,9 @@ parts = []
 for line in open(table):
     name, state, seconds, note = line.rstrip("\n").split("\t")
     parts.append({"part": name, "status": state, "seconds": int(seconds), "note": note})
-bench, targets, paging, paging_targets = [], None, [], None
-for name, records in (("bench.jsonl", bench), ("paging.jsonl", paging)):
+bench, targets, paging, paging_targets, fsdp2 = [], None, [], None, []
+for name, records in (("bench.jsonl", bench), ("paging.jsonl", paging),
+                      ("fsdp2.jsonl", fsdp2)):
     try:
         for line in open(os.path.join(results, name)):
             try:
@@ -439,7 +466,8 @@ for name, records in (("bench.jsonl", bench), ("paging.jsonl", paging)):
 summary = {"exit_status": int(status), "budget_s": int(budget), "elapsed_s": int(elapsed),
            "parts": parts, "versions": load(os.path.join(work, "versions.json")),
            "tests": load(os.path.join(work, "tests.json")), "bench_targets": targets,
-           "bench": bench, "paging_targets": paging_targets, "paging": paging}
+           "bench": bench, "paging_targets": paging_targets, "paging": paging,
+           "fsdp2": fsdp2}
 with open(os.path.join(results, "summary.json"), "w") as f:
     json.dump(summary, f, indent=1)
 EOF

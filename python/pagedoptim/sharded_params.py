@@ -109,12 +109,13 @@ class Box:
 @dataclasses.dataclass(frozen=True)
 class ShardLayout:
     """How the state of one DTensor param is sharded: the element streams' box (the
-    param's, with a trailing [0, 2) for the real view of a complex param) and its mesh and
-    placements."""
+    param's, with a trailing [0, 2) for the real view of a complex param), its mesh and
+    placements, and the device of its local shard."""
 
     mesh: Any
     placements: tuple
     elements: Box
+    device: torch.device
 
     def scales(self, where: str) -> tuple[Box, tuple]:
         """The per-group streams' box and placements. Raises where the local shard cuts a
@@ -183,12 +184,14 @@ def shard_layout(p: torch.Tensor) -> ShardLayout:
     if p.is_complex():  # the state is the real view: a trailing dim of 2
         global_shape, local_shape, offset = (*global_shape, 2), (*local_shape, 2), (*offset, 0)
     return ShardLayout(p.device_mesh, tuple(p.placements),
-                       Box(global_shape, local_shape, offset))
+                       Box(global_shape, local_shape, offset), local_tensor(p).device)
 
 
 def as_dtensor(layout: ShardLayout, local: torch.Tensor, per_group: bool,
                where: str) -> torch.Tensor:
-    """A stream of the local shard as a DTensor placed as the global stream would be."""
+    """A stream of the local shard as a DTensor placed as the global stream would be, its
+    local tensor on the param's device (where the mesh's collectives expect it, as torch's
+    optimizers keep the state of CUDA params on the GPU)."""
     from torch.distributed.tensor import DTensor
     if per_group:
         box, placements = layout.scales(where)
@@ -198,8 +201,9 @@ def as_dtensor(layout: ShardLayout, local: torch.Tensor, per_group: bool,
         shape = layout.elements.global_shape
         if local.is_complex():  # the complex moment of a complex param: the param's shape
             shape = shape[:-1]
-    return DTensor.from_local(local, layout.mesh, placements, run_check=False,
-                              shape=torch.Size(shape), stride=_contiguous_strides(shape))
+    return DTensor.from_local(local.to(layout.device), layout.mesh, placements,
+                              run_check=False, shape=torch.Size(shape),
+                              stride=_contiguous_strides(shape))
 
 
 def local_part(layout: ShardLayout, value: torch.Tensor, per_group: bool,

@@ -327,8 +327,8 @@ class SkewAdam(PagedOptimizer):
                                                 (offset, 0)))
             else:
                 boxes.append(sharded_params.Box((n,), (n,), (0,)))
-        return tuple(sharded_params.ShardLayout(layout.mesh, layout.placements, box)
-                     for box in boxes)
+        return tuple(sharded_params.ShardLayout(layout.mesh, layout.placements, box,
+                                                layout.device) for box in boxes)
 
     def _factors(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The row and column means of p's factored second moment (new tensors), each
