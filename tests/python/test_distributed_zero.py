@@ -1,0 +1,277 @@
+"""ZeRO, optimizer-in-backward and DDP: torch.distributed's wrappers around pagedoptim.
+
+torch's wrappers reach our state through `optimizer.state[p]` (DESIGN.md section 8):
+`ZeroRedundancyOptimizer.load_state_dict` assigns `self.optim.state[param] = {...}` for the
+params of its rank and never calls the inner optimizer's `load_state_dict`, so a reload is
+right only if that assignment lands in the pages. Each run here is two gloo ranks on the CPU
+(spawned, file:// rendezvous) with a tiny model; torch.optim.AdamW under the same wrapper is
+the oracle where torch defines the result:
+
+- ZeRO save (consolidate_state_dict + state_dict), load into a fresh ZeRO and continue:
+  exact mode matches torch.optim.AdamW under ZeRO to fp32 rounding; every mode continues
+  bit for bit as the run that was never interrupted, and the loaded state is live, not an
+  echo of the checkpoint;
+- per-param optimizers (`_apply_optimizer_in_backward`) step as torch's do, and each costs
+  its payload plus less than one 4 KiB page, not a 2 MiB page;
+- DDP without release_grads keeps the ranks bit-identical.
+"""
+
+import copy
+import functools
+import io
+import traceback
+
+import pytest
+import torch
+from torch import nn
+
+import pagedoptim as po
+from conftest import FP32_TOL, max_abs, relative_error
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
+                                reason="this torch has no torch.distributed")
+
+EXACT = dict(state_bits=32, master_bits=None)
+WORLD_SIZE = 2
+SAVE_AT, STEPS = 3, 6
+LR = 1e-2
+# The seconds a two-rank run may take (start-up dominates: each rank imports torch).
+TIMEOUT_S = 120
+
+# name -> (optimizer class, its kwargs, param dtype, ZeRO's kwargs). torch's is the oracle.
+ZERO_CASES = {
+    "torch": (torch.optim.AdamW, {}, torch.float32, {}),
+    "exact": (po.AdamW, EXACT, torch.float32, {}),
+    "8bit": (po.AdamW, {}, torch.float32, {}),
+    "8bit_bf16": (po.AdamW, {}, torch.bfloat16, {}),  # 8-bit moments, master residual
+    # ZeRO's flat buckets make every param a view of one tensor.
+    "exact_bucket_view": (po.AdamW, EXACT, torch.float32, dict(parameters_as_bucket_view=True)),
+    "lion": (po.Lion, {}, torch.float32, {}),
+    "sgd": (functools.partial(po.SGD, momentum=0.9), {}, torch.float32, {}),
+}
+# Paged state, a cache of one page (4 KiB) on each rank, so pages are evicted and read back;
+# both ranks' page files go to one directory.
+PAGED = dict(offload="nvme", cache_bytes=4096)
+
+
+def _tiny_model(dtype):
+    # Four params of unequal sizes, so ZeRO gives each rank some of them (rank 0 the
+    # largest, rank 1 the rest); their state takes several 4 KiB pages.
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8)).to(dtype)
+
+
+def _backward(model, step, rank=0):
+    """The same loss on every rank unless `rank` shifts the inputs (DDP's case)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    inputs = torch.randn(5, 32, generator=gen) + rank
+    dtype = next(model.parameters()).dtype
+    model(inputs.to(dtype)).float().square().mean().backward()
+
+
+def _run(rank, init_file, function, *args):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=WORLD_SIZE)
+    try:
+        return function(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _worker(rank, init_file, results, function, args):
+    try:
+        outcome = _run(rank, init_file, function, *args)
+    except BaseException as error:  # the parent reports it: a raising child only logs
+        results.put((rank, None, traceback.format_exc()))
+        raise
+    # As bytes: tensors sent through a torch queue are shared memory that dies with the child.
+    buffer = io.BytesIO()
+    torch.save(outcome, buffer)
+    results.put((rank, buffer.getvalue(), None))
+
+
+def _two_ranks(tmp_path, function, *args):
+    """function(rank, *args) on two gloo ranks; its results, by rank."""
+    context = torch.multiprocessing.get_context("spawn")
+    results = context.Queue()
+    processes = torch.multiprocessing.start_processes(
+        _worker, args=(str(tmp_path / "init"), results, function, args), nprocs=WORLD_SIZE,
+        join=False, start_method="spawn")
+    outcomes = {}
+    try:
+        for _ in range(WORLD_SIZE):
+            rank, data, failure = results.get(timeout=TIMEOUT_S)
+            if failure is not None:
+                raise AssertionError(f"rank {rank} failed:\n{failure}")
+            outcomes[rank] = torch.load(io.BytesIO(data), weights_only=False)
+    finally:
+        if len(outcomes) < WORLD_SIZE:  # the other rank may wait in a collective forever
+            for process in processes.processes:
+                process.terminate()
+    processes.join(timeout=TIMEOUT_S)
+    return [outcomes[rank] for rank in range(WORLD_SIZE)]
+
+
+# -- ZeroRedundancyOptimizer ---------------------------------------------------------------
+
+def _zero(model, case, directory):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    optimizer_class, kwargs, _, zero_kwargs = ZERO_CASES[case.removesuffix("_paged")]
+    if case.endswith("_paged"):
+        kwargs = {**kwargs, **PAGED, "nvme_dir": directory}
+    return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class,
+                                   lr=LR, **kwargs, **zero_kwargs)
+
+
+def _consolidated(zero):
+    """The full state dict on rank 0 (None elsewhere), as a user saves it."""
+    zero.consolidate_state_dict(to=0)
+    return copy.deepcopy(zero.state_dict()) if torch.distributed.get_rank() == 0 else None
+
+
+def _train(model, zero, steps):
+    for step in steps:
+        _backward(model, step)
+        zero.step()
+        zero.zero_grad()
+
+
+def _params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _zero_case(rank, case, directory):
+    """Runs STEPS steps, saving a checkpoint at SAVE_AT. Then resumes from it twice: a fresh
+    model and ZeRO load it, and the first ZeRO loads it back (its state is live then). What
+    each run ends with, and what the fresh ZeRO holds right after the load."""
+    import torch.distributed as dist
+    dtype = ZERO_CASES[case.removesuffix("_paged")][2]
+    model = _tiny_model(dtype)
+    zero = _zero(model, case, directory)
+    checkpoint = f"{directory}/{case}.pt"
+    _train(model, zero, range(SAVE_AT))
+    saved = _consolidated(zero)
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "optimizer": saved}, checkpoint)
+    _train(model, zero, range(SAVE_AT, STEPS))
+    run = {"saved": saved, "uninterrupted": _consolidated(zero), "params": _params(model)}
+    dist.barrier()  # the checkpoint file is complete
+
+    # load_state_dict() changes the state dict it is given: each load reads the file.
+    loaded = torch.load(checkpoint, weights_only=True)
+    resumed_model = _tiny_model(dtype)
+    resumed_model.load_state_dict(loaded["model"])
+    resumed = _zero(resumed_model, case, directory)
+    resumed.load_state_dict(loaded["optimizer"])
+    run["after_load"] = _consolidated(resumed)  # read back from the inner optimizers
+    _train(resumed_model, resumed, range(SAVE_AT, STEPS))
+    run.update(resumed=_consolidated(resumed), resumed_params=_params(resumed_model))
+
+    loaded = torch.load(checkpoint, weights_only=True)
+    model.load_state_dict(loaded["model"])
+    zero.load_state_dict(loaded["optimizer"])
+    _train(model, zero, range(SAVE_AT, STEPS))
+    run.update(rolled_back=_consolidated(zero), rolled_back_params=_params(model))
+    if case.endswith("_paged"):
+        run["paging_stats"] = zero.optim.paging_stats()
+    return run
+
+
+def _torch_checkpoint_into_exact(rank, directory):
+    """torch.optim.AdamW's ZeRO checkpoint (case "torch"), resumed by po.AdamW in exact mode."""
+    loaded = torch.load(f"{directory}/torch.pt", weights_only=True)
+    model = _tiny_model(torch.float32)
+    model.load_state_dict(loaded["model"])
+    zero = _zero(model, "exact", directory)
+    zero.load_state_dict(loaded["optimizer"])
+    _train(model, zero, range(SAVE_AT, STEPS))
+    return {"resumed": _consolidated(zero), "resumed_params": _params(model)}
+
+
+ZERO_RUNS = [*ZERO_CASES, "8bit_paged", "exact_paged"]
+
+
+def _zero_cases(rank, directory):
+    runs = {case: _zero_case(rank, case, directory) for case in ZERO_RUNS}
+    runs["torch_into_exact"] = _torch_checkpoint_into_exact(rank, directory)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory):
+    """Every ZeRO run, once, on two ranks: {run: [rank 0's results, rank 1's]}."""
+    directory = tmp_path_factory.mktemp("zero")
+    by_rank = _two_ranks(directory, _zero_cases, str(directory))
+    return {name: [ranks[name] for ranks in by_rank] for name in by_rank[0]}
+
+
+def _tensors(value, prefix=""):
+    """Every tensor in a nested state dict, by path (for bitwise comparison)."""
+    if isinstance(value, torch.Tensor):
+        yield prefix, value
+    elif isinstance(value, dict):
+        for key in sorted(value, key=repr):
+            yield from _tensors(value[key], f"{prefix}/{key}")
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _tensors(item, f"{prefix}/{index}")
+
+
+def assert_bitwise_equal(ours, expected):
+    ours, expected = dict(_tensors(ours)), dict(_tensors(expected))
+    assert ours.keys() == expected.keys()
+    for path, tensor in expected.items():
+        assert ours[path].dtype == tensor.dtype and torch.equal(ours[path], tensor), path
+
+
+def _moments(state_dict):
+    return {index: {k: v for k, v in entry.items() if k != "step"}
+            for index, entry in state_dict["state"].items()}
+
+
+@pytest.mark.parametrize("case", ZERO_RUNS)
+@pytest.mark.parametrize("how", ["resumed", "rolled_back"])
+def test_zero_reload_continues_bit_for_bit_as_the_uninterrupted_run(zero_runs, case, how):
+    """Fresh ZeRO and model from the checkpoint (resumed), or the same ZeRO loading it
+    back after more steps (rolled_back): every rank ends as the run never interrupted."""
+    for rank, run in enumerate(zero_runs[case]):
+        assert all(torch.equal(a, b) for a, b in zip(run[f"{how}_params"], run["params"])), \
+            rank
+    run = zero_runs[case][0]
+    if case.endswith("_paged"):
+        assert run["paging_stats"]["evictions"] > 0, run["paging_stats"]
+    assert_bitwise_equal(run[how]["state"], run["uninterrupted"]["state"])
+    assert run[how]["param_groups"] == run["uninterrupted"]["param_groups"]
+
+
+@pytest.mark.parametrize("case", ZERO_RUNS)
+def test_zero_reload_puts_the_checkpoint_into_the_inner_optimizers(zero_runs, case):
+    """Consolidated right after the load, the state read back from each rank's inner
+    optimizer is the checkpoint: every param's state, moments and all."""
+    run = zero_runs[case][0]
+    saved, after_load = run["saved"], run["after_load"]
+    num_params = sum(len(g["params"]) for g in saved["param_groups"])
+    assert sorted(saved["state"]) == list(range(num_params))
+    assert all(_moments(saved).values())  # moments, not only 'step'
+    assert_bitwise_equal(after_load["state"], saved["state"])
+    assert after_load["param_groups"] == saved["param_groups"]
+
+
+@pytest.mark.parametrize("case", ["exact", "exact_bucket_view", "exact_paged",
+                                  "torch_into_exact"])
+def test_zero_exact_mode_matches_torch_adamw_under_zero(zero_runs, case):
+    """po.AdamW(state_bits=32, master_bits=None) inside ZeRO, saved, reloaded and continued
+    (or resuming torch's own ZeRO checkpoint), against torch.optim.AdamW inside ZeRO."""
+    ours, theirs = zero_runs[case][0], zero_runs["torch"][0]
+    for p, ref in zip(ours["resumed_params"], theirs["resumed_params"]):
+        assert relative_error(p, ref, max_abs(ref)) <= FP32_TOL
+    ours_state, torch_state = ours["resumed"]["state"], theirs["resumed"]["state"]
+    assert sorted(ours_state) == sorted(torch_state)
+    for index, expected in torch_state.items():
+        assert set(ours_state[index]) == set(expected)
+        assert torch.equal(ours_state[index]["step"], expected["step"])
+        for name in ("exp_avg", "exp_avg_sq"):
+            ref = expected[name]
+            assert relative_error(ours_state[index][name], ref, max_abs(ref)) <= FP32_TOL, \
+                (index, name)
