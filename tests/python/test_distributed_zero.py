@@ -82,7 +82,7 @@ def _run(rank, init_file, function, *args):
 def _worker(rank, init_file, results, function, args):
     try:
         outcome = _run(rank, init_file, function, *args)
-    except BaseException as error:  # the parent reports it: a raising child only logs
+    except BaseException:  # the parent reports it: a raising child only logs
         results.put((rank, None, traceback.format_exc()))
         raise
     # As bytes: tensors sent through a torch queue are shared memory that dies with the child.
@@ -91,13 +91,14 @@ def _worker(rank, init_file, results, function, args):
     results.put((rank, buffer.getvalue(), None))
 
 
-def _two_ranks(tmp_path, function, *args):
-    """function(rank, *args) on two gloo ranks; its results, by rank."""
+def _two_ranks(directory, function):
+    """function(rank, directory) on two gloo ranks. It returns a dict of named runs; they
+    come back as {name: [rank 0's, rank 1's]}."""
     context = torch.multiprocessing.get_context("spawn")
     results = context.Queue()
     processes = torch.multiprocessing.start_processes(
-        _worker, args=(str(tmp_path / "init"), results, function, args), nprocs=WORLD_SIZE,
-        join=False, start_method="spawn")
+        _worker, args=(str(directory / "init"), results, function, (str(directory),)),
+        nprocs=WORLD_SIZE, join=False, start_method="spawn")
     outcomes = {}
     try:
         for _ in range(WORLD_SIZE):
@@ -110,7 +111,7 @@ def _two_ranks(tmp_path, function, *args):
             for process in processes.processes:
                 process.terminate()
     processes.join(timeout=TIMEOUT_S)
-    return [outcomes[rank] for rank in range(WORLD_SIZE)]
+    return {name: [outcomes[rank][name] for rank in range(WORLD_SIZE)] for name in outcomes[0]}
 
 
 # -- ZeroRedundancyOptimizer ---------------------------------------------------------------
@@ -201,9 +202,7 @@ def _zero_cases(rank, directory):
 @pytest.fixture(scope="module")
 def zero_runs(tmp_path_factory):
     """Every ZeRO run, once, on two ranks: {run: [rank 0's results, rank 1's]}."""
-    directory = tmp_path_factory.mktemp("zero")
-    by_rank = _two_ranks(directory, _zero_cases, str(directory))
-    return {name: [ranks[name] for ranks in by_rank] for name in by_rank[0]}
+    return _two_ranks(tmp_path_factory.mktemp("zero"), _zero_cases)
 
 
 def _tensors(value, prefix=""):
@@ -275,3 +274,117 @@ def test_zero_exact_mode_matches_torch_adamw_under_zero(zero_runs, case):
             ref = expected[name]
             assert relative_error(ours_state[index][name], ref, max_abs(ref)) <= FP32_TOL, \
                 (index, name)
+
+
+# -- optimizer in backward: one optimizer per param ------------------------------------------
+
+def _payload_bytes(report):
+    return report["moment_bytes"] + report["scale_bytes"] + report["residual_bytes"]
+
+
+@pytest.mark.parametrize("mode,dtype", [("exact", torch.float32), ("8bit", torch.float32),
+                                        ("8bit", torch.bfloat16)],
+                         ids=["exact", "8bit", "8bit_bf16"])
+def test_optimizer_in_backward_steps_as_one_optimizer_without_a_page_per_param(mode, dtype):
+    """`_apply_optimizer_in_backward` builds one optimizer per param and steps it as the
+    param's gradient is accumulated. Exact mode steps as torch.optim.AdamW built the same
+    way; 8-bit steps bit for bit as one po.AdamW over every param. Each optimizer's state is
+    its payload plus less than one 4 KiB page, not a 2 MiB page per param."""
+    from torch.distributed.optim import (_apply_optimizer_in_backward,
+                                         _get_in_backward_optimizers)
+    kwargs = EXACT if mode == "exact" else {}
+    model = _tiny_model(dtype)
+    _apply_optimizer_in_backward(po.AdamW, model.parameters(), {"lr": LR, **kwargs})
+    reference = _tiny_model(dtype)
+    if mode == "exact":
+        _apply_optimizer_in_backward(torch.optim.AdamW, reference.parameters(), {"lr": LR})
+        one_optimizer = None
+    else:
+        one_optimizer = po.AdamW(reference.parameters(), lr=LR)
+    for step in range(STEPS):
+        _backward(model, step)
+        _backward(reference, step)
+        if one_optimizer is not None:
+            one_optimizer.step()
+            one_optimizer.zero_grad()
+    for p, ref in zip(model.parameters(), reference.parameters()):
+        assert p.grad is None
+        if mode == "exact":
+            assert relative_error(p, ref, max_abs(ref)) <= FP32_TOL
+        else:
+            assert torch.equal(p, ref)
+
+    optimizers = _get_in_backward_optimizers(model)
+    assert len(optimizers) == len(list(model.parameters()))
+    for opt in optimizers:
+        report = opt.memory_report()
+        assert report["num_elements"] == opt.param_groups[0]["params"][0].numel()
+        assert report["step_bytes"] == 4
+        slack = report["state_bytes"] - report["step_bytes"] - _payload_bytes(report)
+        assert 0 <= slack < 4096, report
+    if one_optimizer is not None:
+        total = sum(_payload_bytes(opt.memory_report()) for opt in optimizers)
+        assert total == _payload_bytes(one_optimizer.memory_report())
+
+
+# -- DDP --------------------------------------------------------------------------------------
+
+# name -> (optimizer class, kwargs); "{directory}" / "{rank}" fill in nvme_dir.
+DDP_CASES = {
+    "torch": (torch.optim.AdamW, {}),
+    "exact": (po.AdamW, EXACT),
+    "8bit": (po.AdamW, {}),
+    "8bit_paged_shared_dir": (po.AdamW, dict(PAGED, nvme_dir="{directory}")),
+    "8bit_paged_dir_per_rank": (po.AdamW, dict(PAGED, nvme_dir="{directory}/rank{rank}")),
+    "lion": (po.Lion, {}),
+}
+
+
+def _ddp_cases(rank, directory):
+    import os
+    runs = {}
+    for case, (optimizer_class, kwargs) in DDP_CASES.items():
+        kwargs = dict(kwargs)
+        if "nvme_dir" in kwargs:
+            kwargs["nvme_dir"] = kwargs["nvme_dir"].format(directory=directory, rank=rank)
+            os.makedirs(kwargs["nvme_dir"], exist_ok=True)
+        model = nn.parallel.DistributedDataParallel(_tiny_model(torch.float32))
+        opt = optimizer_class(model.parameters(), lr=LR, **kwargs)
+        for step in range(STEPS):
+            _backward(model, step, rank)  # each rank its own inputs: DDP averages the grads
+            opt.step()
+            opt.zero_grad()
+        runs[case] = {"params": _params(model.module)}
+        if "nvme_dir" in kwargs:
+            stats = opt.paging_stats()
+            runs[case]["page_file"], runs[case]["evictions"] = stats["page_file"], \
+                stats["evictions"]
+    return runs
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    """Every DDP run, once, on two ranks: {run: [rank 0's results, rank 1's]}."""
+    return _two_ranks(tmp_path_factory.mktemp("ddp"), _ddp_cases)
+
+
+@pytest.mark.parametrize("case", list(DDP_CASES))
+def test_ddp_without_release_keeps_the_ranks_bit_identical(ddp_runs, case):
+    rank0, rank1 = ddp_runs[case]
+    initial = _params(_tiny_model(torch.float32))
+    assert not any(torch.equal(p, q) for p, q in zip(rank0["params"], initial))
+    assert all(torch.equal(p, q) for p, q in zip(rank0["params"], rank1["params"]))
+
+
+def test_ddp_exact_mode_matches_torch_adamw_under_ddp(ddp_runs):
+    for p, ref in zip(ddp_runs["exact"][0]["params"], ddp_runs["torch"][0]["params"]):
+        assert relative_error(p, ref, max_abs(ref)) <= FP32_TOL
+
+
+@pytest.mark.parametrize("case", ["8bit_paged_shared_dir", "8bit_paged_dir_per_rank"])
+def test_ddp_paged_state_is_the_unpaged_state_and_each_rank_has_its_page_file(ddp_runs, case):
+    runs = ddp_runs[case]
+    assert all(run["evictions"] > 0 for run in runs)
+    assert runs[0]["page_file"] != runs[1]["page_file"]
+    for run, unpaged in zip(runs, ddp_runs["8bit"]):
+        assert all(torch.equal(p, q) for p, q in zip(run["params"], unpaged["params"]))
