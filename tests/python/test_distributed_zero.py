@@ -26,6 +26,8 @@ import torch
 from torch import nn
 
 import pagedoptim as po
+from pagedoptim import checkpoint_conversion
+from pagedoptim.checkpoint_algorithms import ADAMW
 from conftest import FP32_TOL, max_abs, relative_error
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
@@ -179,23 +181,55 @@ def _zero_case(rank, case, directory):
     return run
 
 
-def _torch_checkpoint_into_exact(rank, directory):
-    """torch.optim.AdamW's ZeRO checkpoint (case "torch"), resumed by po.AdamW in exact mode."""
-    loaded = torch.load(f"{directory}/torch.pt", weights_only=True)
+def _resume_from(rank, directory, saved_by, case):
+    """The checkpoint of run `saved_by`, resumed by a fresh ZeRO of `case`: what it holds
+    right after the load, and how it ends. torch's optimizer is given the checkpoint in
+    torch.optim's format (checkpoint_conversion); ours load any format."""
+    loaded = torch.load(f"{directory}/{saved_by}.pt", weights_only=True)
+    optimizer_state = loaded["optimizer"]
+    if case == "torch" and saved_by != "torch":
+        optimizer_state = checkpoint_conversion.to_torch_format(optimizer_state, ADAMW)
     model = _tiny_model(torch.float32)
     model.load_state_dict(loaded["model"])
-    zero = _zero(model, "exact", directory)
-    zero.load_state_dict(loaded["optimizer"])
+    zero = _zero(model, case, directory)
+    try:
+        zero.load_state_dict(optimizer_state)
+        error = None
+    except Exception:
+        error = traceback.format_exc()
+    # Both ranks go on, or neither: a rank that skipped a collective would hang the other.
+    failed = torch.tensor([error is not None], dtype=torch.int32)
+    torch.distributed.all_reduce(failed)
+    if failed.item():
+        return {"error": error or "the load failed on the other rank"}
+    after_load = _consolidated(zero)
     _train(model, zero, range(SAVE_AT, STEPS))
-    return {"resumed": _consolidated(zero), "resumed_params": _params(model)}
+    return {"after_load": after_load, "resumed": _consolidated(zero),
+            "resumed_params": _params(model), "error": None}
+
+
+def _run_of(zero_runs, name):
+    """Rank 0's results of a run that may have failed to load its checkpoint."""
+    run = zero_runs[name][0]
+    assert run.get("error") is None, run["error"]
+    return run
 
 
 ZERO_RUNS = [*ZERO_CASES, "8bit_paged", "exact_paged"]
+# A checkpoint resumed in another state format: name -> (the run that saved it, the ZeRO
+# case that resumes it).
+CROSS_FORMAT_RUNS = {
+    "torch_into_exact": ("torch", "exact"),
+    "8bit_into_exact": ("8bit", "exact"),
+    "8bit_into_torch": ("8bit", "torch"),
+    "exact_into_8bit": ("exact", "8bit"),
+}
 
 
 def _zero_cases(rank, directory):
     runs = {case: _zero_case(rank, case, directory) for case in ZERO_RUNS}
-    runs["torch_into_exact"] = _torch_checkpoint_into_exact(rank, directory)
+    for name, (saved_by, case) in CROSS_FORMAT_RUNS.items():
+        runs[name] = _resume_from(rank, directory, saved_by, case)
     return runs
 
 
@@ -257,12 +291,14 @@ def test_zero_reload_puts_the_checkpoint_into_the_inner_optimizers(zero_runs, ca
     assert after_load["param_groups"] == saved["param_groups"]
 
 
-@pytest.mark.parametrize("case", ["exact", "exact_bucket_view", "exact_paged",
-                                  "torch_into_exact"])
-def test_zero_exact_mode_matches_torch_adamw_under_zero(zero_runs, case):
+@pytest.mark.parametrize("case,reference", [
+    ("exact", "torch"), ("exact_bucket_view", "torch"), ("exact_paged", "torch"),
+    ("torch_into_exact", "torch"), ("8bit_into_exact", "8bit_into_torch")])
+def test_zero_exact_mode_matches_torch_adamw_under_zero(zero_runs, case, reference):
     """po.AdamW(state_bits=32, master_bits=None) inside ZeRO, saved, reloaded and continued
-    (or resuming torch's own ZeRO checkpoint), against torch.optim.AdamW inside ZeRO."""
-    ours, theirs = zero_runs[case][0], zero_runs["torch"][0]
+    (or resuming torch's checkpoint, or an 8-bit one), against torch.optim.AdamW inside
+    ZeRO resuming the same checkpoint."""
+    ours, theirs = _run_of(zero_runs, case), _run_of(zero_runs, reference)
     for p, ref in zip(ours["resumed_params"], theirs["resumed_params"]):
         assert relative_error(p, ref, max_abs(ref)) <= FP32_TOL
     ours_state, torch_state = ours["resumed"]["state"], theirs["resumed"]["state"]
@@ -274,6 +310,37 @@ def test_zero_exact_mode_matches_torch_adamw_under_zero(zero_runs, case):
             ref = expected[name]
             assert relative_error(ours_state[index][name], ref, max_abs(ref)) <= FP32_TOL, \
                 (index, name)
+
+
+
+@pytest.mark.parametrize("name", ["8bit_into_exact", "exact_into_8bit"])
+def test_zero_reload_converts_a_checkpoint_of_the_other_state_format(zero_runs, name):
+    """ZeRO assigns each param's whole entry (`state[p] = {...}`): codes and scales load
+    into fp32 state, and fp32 into codes, as the checkpoint converter converts them."""
+    saved_by, case = CROSS_FORMAT_RUNS[name]
+    saved = zero_runs[saved_by][0]["saved"]
+    if case == "exact":
+        expected = checkpoint_conversion.to_torch_format(saved, ADAMW)
+    else:
+        expected = checkpoint_conversion.to_pagedoptim_format(saved, ADAMW, state_bits=8)
+    assert_bitwise_equal(_run_of(zero_runs, name)["after_load"]["state"], expected["state"])
+
+
+def test_state_entry_assigned_whole_converts_as_load_state_dict():
+    """What ZeRO's load relies on, in one process: `state[p] = entry` in another format
+    gives the state load_state_dict gives, stream for stream."""
+    for saved_kwargs, kwargs in ((dict(), EXACT), (EXACT, dict())):
+        source = _tiny_model(torch.float32)
+        saved = po.AdamW(source.parameters(), lr=LR, **saved_kwargs)
+        _backward(source, 0)
+        saved.step()
+        entries = saved.state_dict()
+        loaded, assigned = (po.AdamW(_tiny_model(torch.float32).parameters(), lr=LR, **kwargs)
+                            for _ in range(2))
+        loaded.load_state_dict(copy.deepcopy(entries))
+        for index, p in enumerate(assigned.param_groups[0]["params"]):
+            assigned.state[p] = entries["state"][index]
+        assert_bitwise_equal(assigned.state_dict()["state"], loaded.state_dict()["state"])
 
 
 # -- optimizer in backward: one optimizer per param ------------------------------------------
