@@ -18,7 +18,6 @@ the oracle where torch defines the result:
 
 import copy
 import functools
-import io
 import traceback
 
 import pytest
@@ -29,6 +28,7 @@ import pagedoptim as po
 from pagedoptim import checkpoint_conversion
 from pagedoptim.checkpoint_algorithms import ADAMW
 from conftest import FP32_TOL, max_abs, relative_error
+from ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="this torch has no torch.distributed")
@@ -38,7 +38,7 @@ WORLD_SIZE = 2
 SAVE_AT, STEPS = 3, 6
 LR = 1e-2
 # The seconds a two-rank run may take (start-up dominates: each rank imports torch).
-TIMEOUT_S = 120
+TIMEOUT_S = 120.0
 
 # name -> (optimizer class, its kwargs, param dtype, ZeRO's kwargs). torch's is the oracle.
 ZERO_CASES = {
@@ -71,49 +71,12 @@ def _backward(model, step, rank=0):
     model(inputs.to(dtype)).float().square().mean().backward()
 
 
-def _run(rank, init_file, function, *args):
-    import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD_SIZE)
-    try:
-        return function(rank, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def _worker(rank, init_file, results, function, args):
-    try:
-        outcome = _run(rank, init_file, function, *args)
-    except BaseException:  # the parent reports it: a raising child only logs
-        results.put((rank, None, traceback.format_exc()))
-        raise
-    # As bytes: tensors sent through a torch queue are shared memory that dies with the child.
-    buffer = io.BytesIO()
-    torch.save(outcome, buffer)
-    results.put((rank, buffer.getvalue(), None))
-
-
-def _two_ranks(directory, function):
-    """function(rank, directory) on two gloo ranks. It returns a dict of named runs; they
-    come back as {name: [rank 0's, rank 1's]}."""
-    context = torch.multiprocessing.get_context("spawn")
-    results = context.Queue()
-    processes = torch.multiprocessing.start_processes(
-        _worker, args=(str(directory / "init"), results, function, (str(directory),)),
-        nprocs=WORLD_SIZE, join=False, start_method="spawn")
-    outcomes = {}
-    try:
-        for _ in range(WORLD_SIZE):
-            rank, data, failure = results.get(timeout=TIMEOUT_S)
-            if failure is not None:
-                raise AssertionError(f"rank {rank} failed:\n{failure}")
-            outcomes[rank] = torch.load(io.BytesIO(data), weights_only=False)
-    finally:
-        if len(outcomes) < WORLD_SIZE:  # the other rank may wait in a collective forever
-            for process in processes.processes:
-                process.terminate()
-    processes.join(timeout=TIMEOUT_S)
-    return {name: [outcomes[rank][name] for rank in range(WORLD_SIZE)] for name in outcomes[0]}
+def _two_ranks(tmp_path, function):
+    """function(rank, world_size, directory) on two gloo ranks. It returns a dict of named
+    runs; they come back as {name: [rank 0's, rank 1's]}."""
+    by_rank = run_ranks(function, WORLD_SIZE, str(tmp_path), tmp_path=tmp_path,
+                        timeout=TIMEOUT_S)
+    return {name: [results[name] for results in by_rank] for name in by_rank[0]}
 
 
 # -- ZeroRedundancyOptimizer ---------------------------------------------------------------
@@ -197,7 +160,8 @@ def _resume_from(rank, directory, saved_by, case):
         error = None
     except Exception:
         error = traceback.format_exc()
-    # Both ranks go on, or neither: a rank that skipped a collective would hang the other.
+    # Both ranks go on, or neither: a rank that skipped a collective would leave the other
+    # waiting in it until the collective timeout fails the whole run.
     failed = torch.tensor([error is not None], dtype=torch.int32)
     torch.distributed.all_reduce(failed)
     if failed.item():
@@ -226,7 +190,7 @@ CROSS_FORMAT_RUNS = {
 }
 
 
-def _zero_cases(rank, directory):
+def _zero_cases(rank, world_size, directory):
     runs = {case: _zero_case(rank, case, directory) for case in ZERO_RUNS}
     for name, (saved_by, case) in CROSS_FORMAT_RUNS.items():
         runs[name] = _resume_from(rank, directory, saved_by, case)
@@ -407,7 +371,7 @@ DDP_CASES = {
 }
 
 
-def _ddp_cases(rank, directory):
+def _ddp_cases(rank, world_size, directory):
     import os
     runs = {}
     for case, (optimizer_class, kwargs) in DDP_CASES.items():
