@@ -25,7 +25,7 @@ from pagedoptim import (compiled_step, paging, release_guard, sharded_params, st
 from pagedoptim._native import native
 from pagedoptim.checkpoint_algorithms import check_algorithm
 from pagedoptim.options import PagingOptions
-from pagedoptim.param_state import ParamState, StateMap
+from pagedoptim.param_state import ParamState, StateMap, where_written
 from pagedoptim.state_format import Moment, StreamSpec
 
 # complex64 params are stepped as their float32 real view, as torch.optim does.
@@ -488,9 +488,10 @@ class PagedOptimizer(torch.optim.Optimizer):
             value = torch.view_as_complex(value)
         return self._as_public(p, value, state_format.is_group_stream(key))
 
-    def _write_state_tensor(self, p: torch.Tensor, key: str, value: torch.Tensor) -> None:
-        self._write_param_streams(p, {key: value}, complete=False,
-                                  where=f"optimizer.state[param][{key!r}]")
+    def _write_state_tensors(self, p: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
+        """Streams written through optimizer.state[p] (one key, or a whole entry), converted
+        together: one moment's codes and scales become fp32 state and fp32 becomes codes."""
+        self._write_param_streams(p, values, complete=False, where=where_written(values))
 
     def _write_param_streams(self, p: torch.Tensor, given: dict[str, torch.Tensor],
                              complete: bool, where: str) -> None:

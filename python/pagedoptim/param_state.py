@@ -14,7 +14,9 @@ engine's pages (companded, split across pages, maybe on NVMe), so a tensor canno
   is next used (the next step, `state_dict()`, `load_state_dict()`).
 - Assigning `state[p][key] = tensor` writes into the pages at once (converted to the stored
   format; a wrong size raises). Replacing or deleting `state[p]` resets that parameter's
-  state, as it does in torch.
+  state, as it does in torch; the streams of an entry assigned whole are written together,
+  so an entry in the other state format converts as load_state_dict converts it (torch's
+  ZeroRedundancyOptimizer loads this way).
 - A checked-out tensor changed in place *after* a step replaced the state it was read from
   cannot be written back without undoing the step: the next use of the engine raises
   instead of losing the write.
@@ -30,6 +32,13 @@ import weakref
 from typing import Any, Iterator, Optional
 
 import torch
+
+
+def where_written(values: dict[str, Any]) -> str:
+    """How an error names what was written through optimizer.state[p]."""
+    if len(values) == 1:
+        return f"optimizer.state[param][{next(iter(values))!r}]"
+    return "optimizer.state[param]"
 
 
 class StaleStateWriteError(RuntimeError):
@@ -82,14 +91,7 @@ class ParamState(collections.abc.MutableMapping):
 
     def __setitem__(self, key: Any, value: Any) -> None:
         if self._owner._is_state_stream_name(key):
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"optimizer.state[param][{key!r}] must be a Tensor, got "
-                                f"{type(value).__name__}")
-            # Other checked-out streams of this param are written back first, so the new
-            # value is not overwritten by an older copy; afterwards they are stale.
-            self.write_back()
-            self._owner._write_state_tensor(self._param, key, value)
-            self._retire_checked_out()
+            self.write_streams({key: value})
             return
         self._plain[key] = value
         if key == "step":
@@ -121,6 +123,20 @@ class ParamState(collections.abc.MutableMapping):
 
     def _stream_keys(self) -> list[str]:
         return self._owner._state_stream_keys(self._param)
+
+    def write_streams(self, values: dict[str, Any]) -> None:
+        """Writes page streams into the pages at once, converted together to the stored
+        format: a moment's codes and scales given together load into fp32 state, as
+        load_state_dict converts them (`state[p] = {...}` is how torch's ZeRO loads)."""
+        for key, value in values.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"optimizer.state[param][{key!r}] must be a Tensor, got "
+                                f"{type(value).__name__}")
+        # Other checked-out streams of this param are written back first, so the new
+        # values are not overwritten by older copies; afterwards they are stale.
+        self.write_back()
+        self._owner._write_state_tensors(self._param, values)
+        self._retire_checked_out()
 
     # -- the step counter ------------------------------------------------------------------
 
@@ -164,8 +180,8 @@ class ParamState(collections.abc.MutableMapping):
         if not changed:
             return
         self._owner._check_write_back(self._param, list(changed))
+        self._owner._write_state_tensors(self._param, changed)
         for key, tensor in changed.items():
-            self._owner._write_state_tensor(self._param, key, tensor)
             self._checked_out[key].version = tensor._version
 
     def _retire_checked_out(self) -> None:
@@ -207,8 +223,15 @@ class StateMap(collections.defaultdict):
         entries = dict(value)  # read before the reset: `state[p] = dict(state[p])` keeps values
         self._reset(key)
         fresh = self[key]
-        for name, tensor in entries.items():
-            fresh[name] = tensor
+        streams = {}
+        for name, entry in entries.items():
+            if self.owner._is_state_stream_name(name):
+                streams[name] = entry
+            else:
+                fresh[name] = entry
+        if streams:
+            # Together, so that a whole entry in another state format converts.
+            fresh.write_streams(streams)
 
     def __delitem__(self, key: Any) -> None:
         if key not in self:

@@ -95,10 +95,10 @@ class SGD(PagedOptimizer):
                                f"gradient); param of shape {tuple(p.shape)} has one")
         return grad.to_dense()
 
-    def _write_state_tensor(self, p: torch.Tensor, key: str, value: torch.Tensor) -> None:
+    def _write_state_tensors(self, p: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
         """A momentum buffer written through optimizer.state is stepped from, as torch's
         SGD steps from any buffer it finds: the hidden count leaves 'first step'."""
-        super()._write_state_tensor(p, key, value)
+        super()._write_state_tensors(p, values)
         param_state = self.state[p]
         if (param_state.hidden_step() or 0.0) < 1.0:
             param_state.set_hidden_step(1.0)

@@ -27,6 +27,7 @@ from pagedoptim import sharded_params, state_format, torch_flags
 from pagedoptim._validation import check_betas, check_non_negative
 from pagedoptim.optimizer import LOW_PRECISION_DTYPES, PagedOptimizer
 from pagedoptim.options import PagingOptions
+from pagedoptim.param_state import where_written
 from pagedoptim.state_format import Moment, StreamSpec
 from pagedoptim.tiers import (BACKBONE, EXPERTS, ROUTER, TIERS, check_tier,
                               compile_tier_patterns, names_by_param, tier_of_name)
@@ -351,17 +352,21 @@ class SkewAdam(PagedOptimizer):
             return row if key == ROW else col
         return super()._read_state_tensor(p, key)
 
-    def _write_state_tensor(self, p: torch.Tensor, key: str, value: torch.Tensor) -> None:
-        if key not in (ROW, COL):
-            super()._write_state_tensor(p, key, value)
+    def _write_state_tensors(self, p: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
+        factors = {key: values[key] for key in (ROW, COL) if key in values}
+        streams = {key: value for key, value in values.items() if key not in factors}
+        if streams:
+            super()._write_state_tensors(p, streams)
+        if not factors:
             return
+        where = where_written(factors)
         self._slot(p)
         if self._factor_slots.get(p, -1) < 0:
-            raise ValueError(f"optimizer.state[param][{key!r}]: this param's "
-                             f"'{self._layout(p).tier}' tier keeps no factored second moment")
+            raise ValueError(f"{where}: this param's '{self._layout(p).tier}' tier keeps no "
+                             "factored second moment")
         row, col = self._factors(p)
-        given = {ROW: row, COL: col, key: value}
-        self._write_factors(p, given[ROW], given[COL], f"optimizer.state[param][{key!r}]")
+        given = {ROW: row, COL: col, **factors}
+        self._write_factors(p, given[ROW], given[COL], where)
 
     def _write_factors(self, p: torch.Tensor, row: torch.Tensor, col: torch.Tensor,
                        where: str) -> None:
