@@ -221,7 +221,21 @@ class StateMap(collections.defaultdict):
             dict.__setitem__(self, key, value)
             return
         entries = dict(value)  # read before the reset: `state[p] = dict(state[p])` keeps values
+        previous = dict.get(self, key)
+        # What to put back if the new entry cannot be written (a wrong size, say): a failed
+        # assignment must not leave the param's state reset.
+        kept = dict(previous) if isinstance(previous, ParamState) else None
         self._reset(key)
+        try:
+            self._fill(key, entries)
+        except BaseException:
+            self._reset(key)
+            if kept is not None:
+                self._fill(key, kept)
+            raise
+
+    def _fill(self, key: torch.Tensor, entries: dict[Any, Any]) -> None:
+        """Writes `entries` into the (freshly reset) state of param `key`."""
         fresh = self[key]
         streams = {}
         for name, entry in entries.items():

@@ -618,3 +618,18 @@ def test_pages_chosen_for_the_state_count_the_streams_alignment(numel, dtype, ma
     set_grads([p], 0)
     opt.step()
     assert opt.memory_report()["num_pages"] == 1
+
+
+def test_a_whole_state_entry_that_cannot_be_written_leaves_the_state_as_it_was():
+    p, q = make_pair()
+    ours = po.AdamW([p], lr=0.1, **EXACT)
+    theirs = torch.optim.AdamW([q], lr=0.1)
+    run_both(ours, theirs, [p], [q], 2)
+    before = {k: v.clone() for k, v in ours.state[p].items()}
+    with pytest.raises(ValueError, match="'exp_avg' has 3 elements"):
+        ours.state[p] = {"step": torch.tensor(5.0), "exp_avg": torch.zeros(3),
+                         "exp_avg_sq": torch.zeros(p.shape)}
+    assert set(ours.state[p]) == set(before)
+    assert all(torch.equal(ours.state[p][k], v) for k, v in before.items())
+    run_both(ours, theirs, [p], [q], 2, start=2)  # and it goes on as torch's does
+    assert torch.equal(ours.state[p]["exp_avg"], theirs.state[q]["exp_avg"])
