@@ -422,7 +422,7 @@ class PagedOptimizer(torch.optim.Optimizer):
     def _shard_groups(self, p: torch.Tensor) -> None:
         layout = self._shard_layout(p)
         if layout is not None:
-            layout.scales(self._describe(p))
+            layout.scales(lambda: self._describe(p))
 
     def _as_public(self, p: torch.Tensor, value: torch.Tensor, per_group: bool) -> torch.Tensor:
         """A stream of p's state as optimizer.state and state_dict() show it: a DTensor placed
@@ -430,7 +430,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         layout = self._shard_layout(p)
         if layout is None:
             return value
-        return sharded_params.as_dtensor(layout, value, per_group, self._describe(p))
+        return sharded_params.as_dtensor(layout, value, per_group, lambda: self._describe(p))
 
     def _as_local(self, p: torch.Tensor, name: str, value: Any, where: str) -> Any:
         """A given stream of p (loaded, or assigned to optimizer.state) as p's local shard."""
@@ -438,7 +438,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         if layout is None or not isinstance(value, torch.Tensor):
             return value
         return sharded_params.local_part(layout, value, state_format.is_group_stream(name),
-                                         where)
+                                         lambda: where)
 
     # -- state in pages, as optimizer.state shows it (see pagedoptim/param_state.py) --------
 

@@ -117,13 +117,14 @@ class ShardLayout:
     elements: Box
     device: torch.device
 
-    def scales(self, where: str) -> tuple[Box, tuple]:
+    def scales(self, where: Callable[[], str]) -> tuple[Box, tuple]:
         """The per-group streams' box and placements. Raises where the local shard cuts a
-        group: its scale would be computed over part of the group's elements."""
+        group: its scale would be computed over part of the group's elements. `where()`
+        names the param in errors (called only then: naming it can take a search)."""
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
         if any(type(pl) not in (Shard, Replicate) for pl in self.placements):
-            raise ValueError(f"{where} has placements {self.placements}; pagedoptim's 8-bit "
+            raise ValueError(f"{where()} has placements {self.placements}; pagedoptim's 8-bit "
                              "state shards along Shard and Replicate placements only (use "
                              "state_bits=32 for other layouts)")
         elements = self.elements
@@ -155,7 +156,7 @@ class ShardLayout:
                 numel == 0 or tuple(offset) == box.offset)
         if not whole:
             raise ValueError(
-                f"{where} is sharded {self.placements} so that its local shard (shape "
+                f"{where()} is sharded {self.placements} so that its local shard (shape "
                 f"{elements.local_shape} at offset {elements.offset} of "
                 f"{elements.global_shape}) does not hold whole groups of {GROUP_SIZE} "
                 "elements, which share one 8-bit scale: its 8-bit state would differ from "
@@ -188,7 +189,7 @@ def shard_layout(p: torch.Tensor) -> ShardLayout:
 
 
 def as_dtensor(layout: ShardLayout, local: torch.Tensor, per_group: bool,
-               where: str) -> torch.Tensor:
+               where: Callable[[], str]) -> torch.Tensor:
     """A stream of the local shard as a DTensor placed as the global stream would be, its
     local tensor on the param's device (where the mesh's collectives expect it, as torch's
     optimizers keep the state of CUDA params on the GPU)."""
@@ -207,7 +208,7 @@ def as_dtensor(layout: ShardLayout, local: torch.Tensor, per_group: bool,
 
 
 def local_part(layout: ShardLayout, value: torch.Tensor, per_group: bool,
-               where: str) -> torch.Tensor:
+               where: Callable[[], str]) -> torch.Tensor:
     """The local shard's part of a loaded stream: a DTensor's local shard (redistributed
     first if it is placed otherwise on the same mesh), or a plain tensor as it is when it has
     the local shard's size, or sliced when it holds the whole global stream."""
@@ -217,7 +218,7 @@ def local_part(layout: ShardLayout, value: torch.Tensor, per_group: bool,
         box, placements = layout.elements, layout.placements
     if is_dtensor(value):
         if value.device_mesh != layout.mesh:
-            raise ValueError(f"{where} is a DTensor on {value.device_mesh}, its param on "
+            raise ValueError(f"{where()} is a DTensor on {value.device_mesh}, its param on "
                              f"{layout.mesh}")
         if tuple(value.placements) != tuple(placements):
             value = value.redistribute(layout.mesh, placements)

@@ -347,7 +347,8 @@ class SkewAdam(PagedOptimizer):
             row, col = self._factors(p)
             layouts = self._factor_layout(p)
             if layouts is not None:  # DTensors, placed as the param is
-                row, col = (sharded_params.as_dtensor(layout, value, False, key)
+                row, col = (sharded_params.as_dtensor(layout, value, False,
+                                                      lambda: self._describe(p))
                             for layout, value in zip(layouts, (row, col)))
             return row if key == ROW else col
         return super()._read_state_tensor(p, key)
@@ -372,7 +373,7 @@ class SkewAdam(PagedOptimizer):
                        where: str) -> None:
         layouts = self._factor_layout(p)
         if layouts is not None:
-            row, col = (sharded_params.local_part(layout, value, False, where)
+            row, col = (sharded_params.local_part(layout, value, False, lambda: where)
                         for layout, value in zip(layouts, (row, col)))
         layout = self._layout(p)
         if (row.numel() != layout.experts * layout.rows
