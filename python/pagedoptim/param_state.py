@@ -33,6 +33,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from pagedoptim import sharded_params
+
 
 def where_written(values: dict[str, Any]) -> str:
     """How an error names what was written through optimizer.state[p]."""
@@ -45,17 +47,26 @@ class StaleStateWriteError(RuntimeError):
     """A tensor read from optimizer.state was changed in place after the state moved on."""
 
 
+def _versions(tensor: torch.Tensor) -> tuple[int, ...]:
+    """What changes when `tensor` is changed in place: its version counter, and for a
+    DTensor (the state of a DTensor param) also its local tensor's, which an in-place
+    change through `to_local()` bumps alone."""
+    if sharded_params.is_dtensor(tensor):
+        return tensor._version, sharded_params.local_tensor(tensor)._version
+    return (tensor._version,)
+
+
 class _CheckedOut:
-    """A stream value handed out by `ParamState.__getitem__`, and its version then."""
+    """A stream value handed out by `ParamState.__getitem__`, and its versions then."""
 
     __slots__ = ("tensor", "version")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
-        self.version = tensor._version
+        self.version = _versions(tensor)
 
     def changed(self) -> bool:
-        return self.tensor._version != self.version
+        return _versions(self.tensor) != self.version
 
 
 class ParamState(collections.abc.MutableMapping):
@@ -182,7 +193,7 @@ class ParamState(collections.abc.MutableMapping):
         self._owner._check_write_back(self._param, list(changed))
         self._owner._write_state_tensors(self._param, changed)
         for key, tensor in changed.items():
-            self._checked_out[key].version = tensor._version
+            self._checked_out[key].version = _versions(tensor)
 
     def _retire_checked_out(self) -> None:
         """The pages are about to change (or have): copies handed out become stale."""
@@ -223,15 +234,20 @@ class StateMap(collections.defaultdict):
         entries = dict(value)  # read before the reset: `state[p] = dict(state[p])` keeps values
         previous = dict.get(self, key)
         # What to put back if the new entry cannot be written (a wrong size, say): a failed
-        # assignment must not leave the param's state reset.
+        # assignment must not leave the param's state reset. It costs a read of the previous
+        # state (pages on NVMe included) per whole-entry assignment, which torch's ZeRO makes
+        # once per param per load, never per step.
         kept = dict(previous) if isinstance(previous, ParamState) else None
         self._reset(key)
         try:
             self._fill(key, entries)
-        except BaseException:
+        except BaseException as error:
             self._reset(key)
             if kept is not None:
-                self._fill(key, kept)
+                try:
+                    self._fill(key, kept)
+                except BaseException as restore_error:  # report the first failure
+                    raise error from restore_error
             raise
 
     def _fill(self, key: torch.Tensor, entries: dict[Any, Any]) -> None:
@@ -301,7 +317,7 @@ class StateMap(collections.defaultdict):
         self._with_checked_out[id(param_state)] = param_state
 
     def _note_stale(self, param: torch.Tensor, key: str, checked_out: _CheckedOut) -> None:
-        self._stale.append((weakref.ref(checked_out.tensor), checked_out.tensor._version,
+        self._stale.append((weakref.ref(checked_out.tensor), _versions(checked_out.tensor),
                             key))
 
     def sync(self) -> None:
@@ -328,7 +344,7 @@ class StateMap(collections.defaultdict):
             tensor = entry[0]()
             if tensor is None:
                 continue  # the copy is gone, and with it any change to it
-            if offending is None and tensor._version != entry[1]:
+            if offending is None and _versions(tensor) != entry[1]:
                 offending = entry[2]  # reported once, then forgotten
                 continue
             kept.append(entry)
