@@ -23,6 +23,8 @@ the global shape.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import math
 import sys
 from typing import Any, Callable, Optional
@@ -32,15 +34,17 @@ import torch
 from pagedoptim.state_format import GROUP_SIZE, group_shape
 
 
-def _dtensor_type() -> Optional[type]:
-    # No DTensor can exist before torch.distributed.tensor is imported, so a process that
-    # never imported it pays nothing here (this runs for every param of every step).
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None) if module is not None else None
+# Neither is a DTensor: the usual case is answered by one type lookup (this runs for every
+# param of every step).
+_PLAIN_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 def is_dtensor(value: Any) -> bool:
-    dtensor = _dtensor_type()
+    if type(value) in _PLAIN_TYPES:
+        return False
+    # No DTensor exists before torch.distributed.tensor is imported: no import here.
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None) if module is not None else None
     return dtensor is not None and isinstance(value, dtensor)
 
 
@@ -86,7 +90,7 @@ def local_grad(p: torch.Tensor, grad: torch.Tensor, where: Callable[[], str]) ->
     return local_tensor(grad)
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, stride = [], 1
     for size in reversed(shape):
         strides.append(stride)
@@ -105,72 +109,123 @@ class Box:
     def slices(self) -> tuple[slice, ...]:
         return tuple(slice(o, o + n) for o, n in zip(self.offset, self.local_shape))
 
+    @property
+    def numel(self) -> int:
+        return math.prod(self.local_shape)
 
-@dataclasses.dataclass(frozen=True)
-class ShardLayout:
-    """How the state of one DTensor param is sharded: the element streams' box (the
-    param's, with a trailing [0, 2) for the real view of a complex param), its mesh and
-    placements, and the device of its local shard."""
 
-    mesh: Any
-    placements: tuple
-    elements: Box
-    device: torch.device
+def box_at(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple,
+           coordinate: tuple[int, ...]) -> Box:
+    """The shard of a tensor that the rank at `coordinate` of the mesh holds under Shard and
+    Replicate placements: each Shard splits the current extent of its dim into torch.chunk's
+    pieces (ceil-sized, the last ones short or empty), mesh dim after mesh dim, as DTensor
+    does. Any rank's shard can be computed on every rank, so decisions made from it agree."""
+    from torch.distributed.tensor import Shard
+    local, offset = list(global_shape), [0] * len(global_shape)
+    for ranks, placement, index in zip(mesh_shape, placements, coordinate):
+        if isinstance(placement, Shard):
+            dim = placement.dim % len(global_shape)
+            chunk = -(-local[dim] // ranks)
+            start = min(index * chunk, local[dim])
+            offset[dim] += start
+            local[dim] = min(chunk, local[dim] - start)
+    return Box(tuple(global_shape), tuple(local), tuple(offset))
 
-    def scales(self, where: Callable[[], str]) -> tuple[Box, tuple]:
-        """The per-group streams' box and placements. Raises where the local shard cuts a
-        group: its scale would be computed over part of the group's elements. `where()`
-        names the param in errors (called only then: naming it can take a search)."""
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-        if any(type(pl) not in (Shard, Replicate) for pl in self.placements):
-            raise ValueError(f"{where()} has placements {self.placements}; pagedoptim's 8-bit "
-                             "state shards along Shard and Replicate placements only (use "
-                             "state_bits=32 for other layouts)")
-        elements = self.elements
-        scale_shape = tuple(group_shape(torch.Size(elements.global_shape)))
-        numel = math.prod(elements.local_shape)
-        if len(scale_shape) == len(elements.global_shape):
-            # Groups run along the last dimension, never across its rows.
-            placements = self.placements
-            whole = (elements.offset[-1] % GROUP_SIZE == 0
-                     and elements.local_shape[-1] % GROUP_SIZE == 0)
-            box = Box(scale_shape, (*elements.local_shape[:-1],
-                                    elements.local_shape[-1] // GROUP_SIZE),
-                      (*elements.offset[:-1], elements.offset[-1] // GROUP_SIZE))
-        else:
-            # Flat groups: the shard must be one run of whole groups in flat element order.
-            placements = tuple(Shard(0) if isinstance(pl, Shard) else pl
-                               for pl in self.placements)
-            start = sum(o * s for o, s in zip(elements.offset,
-                                              _contiguous_strides(elements.global_shape)))
-            end, total = start + numel, math.prod(elements.global_shape)
-            whole = (_is_one_run(elements) and start % GROUP_SIZE == 0
-                     and (end % GROUP_SIZE == 0 or end == total))
-            groups = -(-end // GROUP_SIZE) - start // GROUP_SIZE if numel else 0
-            box = Box(scale_shape, (groups,), (start // GROUP_SIZE,))
-        if whole:
-            local_shape, offset = compute_local_shape_and_global_offset(
-                torch.Size(scale_shape), self.mesh, placements)
-            whole = tuple(local_shape) == box.local_shape and (
-                numel == 0 or tuple(offset) == box.offset)
-        if not whole:
-            raise ValueError(
-                f"{where()} is sharded {self.placements} so that its local shard (shape "
-                f"{elements.local_shape} at offset {elements.offset} of "
-                f"{elements.global_shape}) does not hold whole groups of {GROUP_SIZE} "
-                "elements, which share one 8-bit scale: its 8-bit state would differ from "
-                "the unsharded param's. Use state_bits=32, or shard it so that each shard's "
-                f"last dimension (the length of a 1-D param) is a multiple of {GROUP_SIZE}")
-        return box, placements
+
+def group_placements(placements: tuple, natural: bool) -> tuple:
+    """The placements of a per-group stream: the param's where the scales have its shape
+    (state_format.group_shape), else every Shard along the flat scales' only dim."""
+    if natural:
+        return placements
+    from torch.distributed.tensor import Shard
+    return tuple(Shard(0) if isinstance(pl, Shard) else pl for pl in placements)
+
+
+def _groups_of(elements: Box, natural: bool) -> Optional[Box]:
+    """The groups of 32 that a shard of the elements holds, as a box of the scales; None
+    where the shard cuts a group."""
+    scale_shape = tuple(group_shape(torch.Size(elements.global_shape)))
+    if elements.numel == 0:
+        return Box(scale_shape, (0,) * len(scale_shape), (0,) * len(scale_shape))
+    if natural:  # groups run along the last dimension, never across its rows
+        if elements.offset[-1] % GROUP_SIZE or elements.local_shape[-1] % GROUP_SIZE:
+            return None
+        return Box(scale_shape,
+                   (*elements.local_shape[:-1], elements.local_shape[-1] // GROUP_SIZE),
+                   (*elements.offset[:-1], elements.offset[-1] // GROUP_SIZE))
+    # Flat groups: the shard must be one run of whole groups in flat element order.
+    start = sum(o * s for o, s in zip(elements.offset, contiguous_strides(elements.global_shape)))
+    end, total = start + elements.numel, math.prod(elements.global_shape)
+    if not _is_one_run(elements) or start % GROUP_SIZE or (end % GROUP_SIZE and end != total):
+        return None
+    return Box(scale_shape, (-(-end // GROUP_SIZE) - start // GROUP_SIZE,),
+               (start // GROUP_SIZE,))
 
 
 def _is_one_run(box: Box) -> bool:
     """Whether the box is one contiguous range of the global tensor in row-major order."""
-    if math.prod(box.local_shape) == 0:
-        return True
     cut = [d for d, (n, g) in enumerate(zip(box.local_shape, box.global_shape)) if n != g]
     return not cut or all(box.local_shape[d] == 1 for d in range(cut[-1]))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """How the state of one DTensor param is sharded: the element streams' box (the
+    param's, with a trailing [0, 2) for the real view of a complex param), and its mesh and
+    placements."""
+
+    mesh: Any
+    placements: tuple
+    elements: Box
+
+    def scales(self, where: Callable[[], str]) -> tuple[Box, tuple]:
+        """The per-group streams' box and placements on this rank. Raises where any rank's
+        shard cuts a group (its scale would be computed over part of the group's
+        elements), so that every rank raises alike. `where()` names the param in errors
+        (called only then: naming it can take a search)."""
+        outcome = self._scale_sharding
+        if isinstance(outcome, str):
+            raise ValueError(f"{where()} {outcome}")
+        return outcome
+
+    @functools.cached_property
+    def _scale_sharding(self) -> "tuple[Box, tuple] | str":
+        """(this rank's box of the scales, their placements), or why there are none."""
+        from torch.distributed.tensor import Replicate, Shard
+        if any(type(pl) not in (Shard, Replicate) for pl in self.placements):
+            return (f"has placements {self.placements}; pagedoptim's 8-bit state shards "
+                    "along Shard and Replicate placements only (use state_bits=32 for "
+                    "others)")
+        shape = self.elements.global_shape
+        natural = len(group_shape(torch.Size(shape))) == len(shape) > 1
+        placements = group_placements(self.placements, natural)
+        scale_shape = tuple(group_shape(torch.Size(shape)))
+        mesh_shape = tuple(self.mesh.shape)
+        # Every rank's shard, not only this one's: a verdict from the local shard alone
+        # could raise on one rank while the others went on into a collective.
+        sharded = [range(n) if isinstance(pl, Shard) else range(1)
+                   for n, pl in zip(mesh_shape, self.placements)]
+        for coordinate in itertools.product(*sharded):
+            elements = box_at(shape, mesh_shape, self.placements, coordinate)
+            groups = _groups_of(elements, natural)
+            scales = box_at(scale_shape, mesh_shape, placements, coordinate)
+            holds_its_groups = groups is not None and (
+                groups.numel == scales.numel == 0
+                or (groups.local_shape, groups.offset) == (scales.local_shape, scales.offset))
+            if not holds_its_groups:
+                return (f"is sharded {self.placements} on a mesh of {mesh_shape} so that "
+                        f"a shard (shape {elements.local_shape} at offset "
+                        f"{elements.offset} of {shape}) does not hold whole groups of "
+                        f"{GROUP_SIZE} elements, which share one 8-bit scale: its 8-bit "
+                        "state would differ from the unsharded param's. Use "
+                        "state_bits=32, or shard it so that each shard's last dimension "
+                        f"(the length of a 1-D param) is a multiple of {GROUP_SIZE}")
+        coordinate = tuple(self.mesh.get_coordinate())
+        if box_at(shape, mesh_shape, self.placements, coordinate) != self.elements:
+            return (f"has a local shard {self.elements.local_shape} at "
+                    f"{self.elements.offset} that torch.chunk's split of {shape} does not "
+                    "give: pagedoptim cannot place its 8-bit scales (use state_bits=32)")
+        return box_at(scale_shape, mesh_shape, placements, coordinate), placements
 
 
 def shard_layout(p: torch.Tensor) -> ShardLayout:
@@ -179,20 +234,22 @@ def shard_layout(p: torch.Tensor) -> ShardLayout:
                                                                 p.placements)
     global_shape, local_shape, offset = tuple(p.shape), tuple(local_shape), tuple(offset)
     if local_shape != tuple(local_tensor(p).shape):
-        raise ValueError(f"a DTensor param's local shard has shape {tuple(local_tensor(p).shape)}, "
-                         f"but its placements {tuple(p.placements)} give {local_shape}: "
-                         "pagedoptim steps DTensors whose shards follow their placements")
+        raise ValueError(f"a DTensor param's local shard has shape "
+                         f"{tuple(local_tensor(p).shape)}, but its placements "
+                         f"{tuple(p.placements)} give {local_shape}: pagedoptim steps "
+                         "DTensors whose shards follow their placements")
     if p.is_complex():  # the state is the real view: a trailing dim of 2
         global_shape, local_shape, offset = (*global_shape, 2), (*local_shape, 2), (*offset, 0)
     return ShardLayout(p.device_mesh, tuple(p.placements),
-                       Box(global_shape, local_shape, offset), local_tensor(p).device)
+                       Box(global_shape, local_shape, offset))
 
 
 def as_dtensor(layout: ShardLayout, local: torch.Tensor, per_group: bool,
                where: Callable[[], str]) -> torch.Tensor:
-    """A stream of the local shard as a DTensor placed as the global stream would be, its
-    local tensor on the param's device (where the mesh's collectives expect it, as torch's
-    optimizers keep the state of CUDA params on the GPU)."""
+    """A stream of the local shard as a DTensor placed as the global stream would be. Its
+    local tensor stays where the engine put it (host memory, as for plain CUDA params, so a
+    checkpoint of offloaded state does not fill the GPU; torch's gather and broadcast move
+    each tensor to the mesh's device one at a time)."""
     from torch.distributed.tensor import DTensor
     if per_group:
         box, placements = layout.scales(where)
@@ -202,9 +259,8 @@ def as_dtensor(layout: ShardLayout, local: torch.Tensor, per_group: bool,
         shape = layout.elements.global_shape
         if local.is_complex():  # the complex moment of a complex param: the param's shape
             shape = shape[:-1]
-    return DTensor.from_local(local.to(layout.device), layout.mesh, placements,
-                              run_check=False, shape=torch.Size(shape),
-                              stride=_contiguous_strides(shape))
+    return DTensor.from_local(local, layout.mesh, placements, run_check=False,
+                              shape=torch.Size(shape), stride=contiguous_strides(shape))
 
 
 def local_part(layout: ShardLayout, value: torch.Tensor, per_group: bool,

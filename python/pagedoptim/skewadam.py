@@ -304,32 +304,34 @@ class SkewAdam(PagedOptimizer):
     def _factor_layout(self, p: torch.Tensor) -> Optional[tuple[Any, Any]]:
         """How the row and the column means of DTensor param p are sharded (None: p is not a
         DTensor). They are exact only where each rank holds whole [rows, cols] matrices: the
-        column means of a matrix split across ranks would need every rank's rows."""
+        column means of a matrix split across ranks would need every rank's rows. Decided
+        from the placements, so that every rank decides alike."""
         layout = self._shard_layout(p)
         if layout is None:
             return None
+        from torch.distributed.tensor import Shard
         elements = layout.elements
-        split = [d for d, (n, g) in enumerate(zip(elements.local_shape, elements.global_shape))
-                 if n != g]
-        if any(d != 0 or len(elements.global_shape) != 3 for d in split):
+        ndim = len(elements.global_shape)
+        cuts = [pl.dim % ndim for ranks, pl in zip(layout.mesh.shape, layout.placements)
+                if isinstance(pl, Shard) and ranks > 1]
+        if any(dim != 0 or ndim != 3 for dim in cuts):
             raise ValueError(
-                f"{self._describe(p)} is sharded {layout.placements} so that its local shard "
-                f"{elements.local_shape} of {elements.global_shape} cuts a matrix whose "
-                "second moment SkewAdam factors into row and column means, which need the "
+                f"{self._describe(p)} is sharded {layout.placements} so that its "
+                f"{elements.global_shape} matrices, whose second moment SkewAdam factors "
+                "into row and column means, are split across ranks: the means need the "
                 "whole matrix on one rank. Shard [experts, rows, cols] tensors along dim 0 "
                 "(the experts) only, and keep 2-D params in the factored tiers whole (or use "
                 "pagedoptim.AdamW under FSDP2)")
         experts, offset = elements.local_shape[0], elements.offset[0]
-        rows, cols = elements.global_shape[-2:]
         boxes = []
-        for n in (rows, cols):
-            if len(elements.global_shape) == 3:
+        for n in elements.global_shape[-2:]:
+            if ndim == 3:
                 boxes.append(sharded_params.Box((elements.global_shape[0], n), (experts, n),
                                                 (offset, 0)))
             else:
                 boxes.append(sharded_params.Box((n,), (n,), (0,)))
-        return tuple(sharded_params.ShardLayout(layout.mesh, layout.placements, box,
-                                                layout.device) for box in boxes)
+        return tuple(sharded_params.ShardLayout(layout.mesh, layout.placements, box)
+                     for box in boxes)
 
     def _factors(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The row and column means of p's factored second moment (new tensors), each

@@ -15,6 +15,7 @@ All cases run in one spawn of two ranks (a module fixture), and each test reads 
 from __future__ import annotations
 
 import copy
+from typing import Optional
 
 import pytest
 import torch
@@ -46,7 +47,8 @@ CASES = {
     "sgd-8bit": (po.SGD, dict(lr=0.05, momentum=0.9), None, torch.float32),
     "lion-8bit-bf16-int16-residual": (po.Lion, dict(lr=1e-3, master_bits=32), None,
                                       torch.bfloat16),
-    "adamw-nvme": (po.AdamW, dict(lr=1e-2, offload="nvme", cache_bytes=1 << 16,
+    # A cache of one page: every step reads and writes most pages (checked below).
+    "adamw-nvme": (po.AdamW, dict(lr=1e-2, offload="nvme", cache_bytes=1 << 12,
                                   page_bytes=1 << 12), None, torch.float32),
 }
 
@@ -124,6 +126,7 @@ def _equivalence_worker(rank: int, world_size: int, nvme_dir: str) -> dict:
         case["num_elements"] = (report["num_elements"], single_report["num_elements"],
                                 sum(p.to_local().numel() for p in params))
         case["moment_bytes"] = (report["moment_bytes"], single_report["moment_bytes"])
+        case["evictions"] = optimizer.paging_stats().get("evictions", 0)
         if reference is not None:
             torch_model, _ = sharded_and_plain(dtype)
             torch_cls, torch_kwargs = reference
@@ -153,6 +156,10 @@ def test_fsdp2_steps_like_one_process_bit_for_bit(equivalence, name):
             assert torch.equal(ours, single), (rank, index)
         assert not any(torch.equal(ours, initial) for ours, initial in
                        zip(case["params"], case["initial_params"])), "a param never moved"
+
+
+def test_fsdp2_paged_state_really_pages(equivalence):
+    assert all(results["adamw-nvme"]["evictions"] > 0 for results in equivalence)
 
 
 @pytest.mark.parametrize("name", [n for n, case in CASES.items() if case[2] is not None])
@@ -209,17 +216,35 @@ def _shard(model: nn.Module, **kwargs) -> None:
 
 
 def _bit_for_bit(make_model, make_optimizer, shard, dtype=torch.float32) -> bool:
-    """Whether the sharded model steps exactly as its unsharded copy does."""
+    """Whether the sharded model steps exactly as its unsharded copy does (and moves)."""
     torch.manual_seed(0)
     model = make_model().to(dtype)
     plain = copy.deepcopy(model)
+    initial = [p.detach().clone() for p in plain.parameters()]
     shard(model)
     optimizer, single = make_optimizer(model), make_optimizer(plain)
     train(model, optimizer, STEPS, seed=2)
     train(plain, single, STEPS, seed=2)
-    moved = not torch.equal(full(next(model.parameters())), next(make_model().parameters()))
+    moved = all(not torch.equal(p, q) for p, q in zip(plain.parameters(), initial))
     return moved and all(torch.equal(full(p), q)
                          for p, q in zip(model.parameters(), plain.parameters()))
+
+
+class Free(nn.Module):
+    """Params of the given shapes and dtypes, each in the loss (complex ones by |p|^2)."""
+
+    def __init__(self, shapes: dict[str, tuple], dtypes: Optional[dict] = None) -> None:
+        super().__init__()
+        for name, shape in shapes.items():
+            dtype = (dtypes or {}).get(name, torch.float32)
+            self.register_parameter(name, nn.Parameter(torch.randn(shape, dtype=dtype)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        total = x.mean()
+        for index, p in enumerate(self.parameters()):
+            values = torch.view_as_real(p) if p.is_complex() else p
+            total = total + (values * (x.mean() + index)).sin().sum()
+        return total
 
 
 def _error(make) -> str:
@@ -237,10 +262,45 @@ def _placements_worker(rank: int, world_size: int) -> dict:
     results["shard1-8bit"] = _bit_for_bit(
         Net, lambda m: po.AdamW(m.parameters(), lr=1e-2),
         lambda m: _shard(m, shard_placement_fn=lambda p: Shard(p.dim() - 1)))
+    # Uneven and empty shards: (3, 64) splits 2 + 1 rows, (1, 64) and (1,) leave rank 1
+    # nothing; (96,) splits into 48 + 48, each ending on a group of 32 or the end.
+    results["uneven-8bit"] = _bit_for_bit(
+        lambda: Free({"a": (3, 64), "b": (1, 64), "c": (1,), "d": (5, 96)}),
+        lambda m: po.AdamW(m.parameters(), lr=1e-2), _shard)
+    # HSDP on a 2 x 1 mesh (replicated across the ranks, each shard whole): 1-D params of
+    # any length keep whole groups. And a 1 x 2 mesh, sharded across the ranks.
+    from torch.distributed.device_mesh import init_device_mesh
+    for shape in ((2, 1), (1, 2)):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        results[f"hsdp-{shape[0]}x{shape[1]}-8bit"] = _bit_for_bit(
+            lambda: Free({"w": (4, 64), "b": (64,)} if shape == (1, 2) else
+                         {"w": (4, 64), "b": (48,), "one": (1,)}),
+            lambda m: po.AdamW(m.parameters(), lr=1e-2),
+            lambda m, mesh=mesh: _shard(m, mesh=mesh))
+    # Complex params: stepped as their real view, sharded like the param.
+    results["complex-8bit"] = _bit_for_bit(
+        lambda: Free({"z": (4, 64), "y": (64,)}, {"z": torch.complex64, "y": torch.complex64}),
+        lambda m: po.AdamW(m.parameters(), lr=1e-2), _shard)
     # SkewAdam: experts sharded along dim 0 keep whole matrices; the router and the norm
     # keep exact second moments, which shard like any element stream.
     results["skewadam-experts"] = _bit_for_bit(
         Moe, lambda m: po.SkewAdam(m.named_parameters(), lr=1e-2), _shard)
+
+    def edited_through_to_local():
+        """A change made through to_local() of a state DTensor is written back, as a change
+        to a plain param's state tensor is."""
+        model, plain = sharded_and_plain(torch.float32)
+        optimizer, single = (po.AdamW(m.parameters(), lr=1e-2, **EXACT) for m in (model, plain))
+        train(model, optimizer, 1, seed=4)
+        train(plain, single, 1, seed=4)
+        for p, q in zip(model.parameters(), plain.parameters()):
+            optimizer.state[p]["exp_avg"].to_local().mul_(-3.0)
+            single.state[q]["exp_avg"].mul_(-3.0)
+        train(model, optimizer, 2, seed=5)
+        train(plain, single, 2, seed=5)
+        return all(torch.equal(full(p), q) for p, q in zip(model.parameters(),
+                                                           plain.parameters()))
+    results["edited-through-to-local"] = edited_through_to_local()
 
     def misaligned():
         torch.manual_seed(0)
@@ -296,15 +356,17 @@ def placements(tmp_path_factory):
     return run_ranks(_placements_worker, 2, tmp_path=tmp_path)
 
 
-@pytest.mark.parametrize("name", ["shard1-8bit", "skewadam-experts", "misaligned-exact"])
+@pytest.mark.parametrize("name", ["shard1-8bit", "skewadam-experts", "misaligned-exact",
+                                  "uneven-8bit", "hsdp-2x1-8bit", "hsdp-1x2-8bit",
+                                  "complex-8bit", "edited-through-to-local"])
 def test_other_placements_step_like_one_process(placements, name):
     assert all(results[name] is True for results in placements)
 
 
 @pytest.mark.parametrize("name,expected", [
     ("misaligned-8bit", "ValueError: param 1 .* does not hold whole groups of 32 elements"),
-    ("skewadam-backbone", "ValueError: param 0 .* cuts a matrix whose second moment SkewAdam "
-                          "factors"),
+    ("skewadam-backbone", "ValueError: param 0 .* matrices, whose second moment SkewAdam "
+                          "factors into row and column means, are split across ranks"),
     ("release-grads", "ValueError: params\\[0\\] is a DTensor .* use release_grads=False"),
     ("plain-grad", "ValueError: the grad of param 0 .* is a plain tensor and its param a "
                    "DTensor"),
