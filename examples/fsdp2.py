@@ -8,7 +8,7 @@ the sharded optimizer state with torch.distributed.checkpoint and resume from it
 Each rank steps only its shard of every parameter and keeps state for that shard alone;
 memory_report() counts what this rank holds. Half-way the run saves a DCP checkpoint; at
 the end a fresh model and optimizer load it, redo the second half and must end with the
-same loss, bit for bit. Rank 0 prints one JSON line per rank.
+same params and loss, bit for bit. Rank 0 prints one JSON line per rank.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ def build(args: argparse.Namespace, device: torch.device):
 
 
 def train(model, optimizer, sampler, steps: range, device: torch.device) -> float:
+    """Trains on the sampler's batches of `steps`; the loss of the last one."""
     loss = torch.zeros(())
     for step in steps:
         inputs, targets = (t.to(device) for t in sampler(step))
@@ -75,6 +76,7 @@ def run(args: argparse.Namespace) -> dict:
               "optimizer": get_optimizer_state_dict(model, optimizer)},
              checkpoint_id=args.checkpoint)
     final_loss = train(model, optimizer, sampler, range(half, args.steps), device)
+    final_params = [p.full_tensor() for p in model.parameters()]
     report = optimizer.memory_report()
 
     resumed_model, resumed_optimizer = build(args, device)
@@ -85,9 +87,13 @@ def run(args: argparse.Namespace) -> dict:
     set_optimizer_state_dict(resumed_model, resumed_optimizer, state["optimizer"])
     resumed_loss = train(resumed_model, resumed_optimizer, sampler, range(half, args.steps),
                          device)
+    # The params after the last step: the loss above was computed before it.
+    same_params = all(torch.equal(p.full_tensor(), q)
+                      for p, q in zip(resumed_model.parameters(), final_params))
     return {"rank": rank, "world_size": world_size, "device": str(device),
             "backend": dist.get_backend(), "steps": args.steps, "final_loss": final_loss,
-            "resumed_loss": resumed_loss, "resumed_matches": resumed_loss == final_loss,
+            "resumed_loss": resumed_loss,
+            "resumed_matches": same_params and resumed_loss == final_loss,
             "local_elements": report["num_elements"], "state_bytes": report["state_bytes"],
             "state_bytes_per_param": report["state_bytes_per_param"],
             "state_placement": report["state_placement"]}
@@ -130,9 +136,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--checkpoint", default=None,
                         help="DCP checkpoint directory (default: a temporary one)")
     args = parser.parse_args()
-    if args.steps < 2:
-        parser.error(f"--steps must be at least 2 (half are redone after the resume), got "
-                     f"{args.steps}")
+    if args.steps < 4:
+        parser.error(f"--steps must be at least 4 (the second half, redone after the resume, "
+                     f"must step from loaded state more than once), got {args.steps}")
     return args
 
 
