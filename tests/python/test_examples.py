@@ -76,3 +76,18 @@ def test_plain_loop_gets_pagedoptim_from_the_flag_alone(tmp_path, flag):
         assert issubclass(stand_ins.AdamW, po.AdamW)
         assert result["optimizer"] == f"{stand_ins.AdamW.__module__}.AdamW"
         assert EIGHT_BIT[0] <= bytes_per_param < EIGHT_BIT[1]
+
+
+def test_hf_trainer_pages_8bit_state_chosen_by_name(tmp_path):
+    result = run_example("hf_trainer", "--steps", "6", "--hidden-size", "32", "--seq-len", "32",
+                         "--batch-size", "4", "--optim-args",
+                         "offload=host,page_bytes=4KiB,cache_bytes=32KiB", cwd=tmp_path)
+    assert_trained(result["losses"], 6)
+    assert result["optimizer"] == f"{po.AdamW.__module__}.AdamW"
+    report, paging = result["memory_report"], result["paging_stats"]
+    assert EIGHT_BIT[0] <= report["state_bytes_per_param"] < EIGHT_BIT[1]
+    # The whole model is trained, and its state does not fit the cache: pages move.
+    assert report["num_elements"] == result["model_params"]
+    assert report["page_bytes"] == 4096 and report["state_bytes"] > 32 << 10
+    assert paging["offload"] == "host" and paging["misses"] > 0
+
