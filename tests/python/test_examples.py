@@ -91,3 +91,17 @@ def test_hf_trainer_pages_8bit_state_chosen_by_name(tmp_path):
     assert report["page_bytes"] == 4096 and report["state_bytes"] > 32 << 10
     assert paging["offload"] == "host" and paging["misses"] > 0
 
+
+def test_peft_lora_keeps_adapter_state_alone_in_an_nvme_page_file(tmp_path):
+    pages = tmp_path / "pages"
+    pages.mkdir()
+    result = run_example("peft_lora", "--steps", "6", "--hidden-size", "32", "--seq-len", "32",
+                         "--batch-size", "4", "--offload", "nvme", "--nvme-dir", str(pages),
+                         "--cache-bytes", "16384", cwd=tmp_path)
+    assert_trained(result["losses"], 6)
+    report, paging = result["memory_report"], result["paging_stats"]
+    assert report["num_elements"] == result["trainable_params"] < result["total_params"] // 4
+    assert EIGHT_BIT[0] <= report["state_bytes_per_param"] < EIGHT_BIT[1]
+    assert paging["offload"] == "nvme" and report["state_placement"]["nvme"] > 0
+    assert paging["misses"] > 0 and paging["bytes_written"]["nvme"] > 0
+
