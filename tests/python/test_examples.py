@@ -105,3 +105,24 @@ def test_peft_lora_keeps_adapter_state_alone_in_an_nvme_page_file(tmp_path):
     assert paging["offload"] == "nvme" and report["state_placement"]["nvme"] > 0
     assert paging["misses"] > 0 and paging["bytes_written"]["nvme"] > 0
 
+
+def test_moe_skewadam_keeps_least_state_for_the_experts(tmp_path):
+    result = run_example("moe_skewadam", "--steps", "6", "--hidden-size", "32", "--seq-len", "32",
+                         "--batch-size", "4", cwd=tmp_path)
+    assert_trained(result["losses"], 6)
+    report = result["memory_report"]
+    params = report["params"]
+    tiers = {tier: sorted(name for name, entry in params.items() if entry["tier"] == tier)
+             for tier in ("experts", "router")}
+    # The tiers come from Mixtral's names: its fused expert tensors and its gates.
+    assert tiers["router"] == [f"model.layers.{i}.mlp.gate.weight" for i in (0, 1)]
+    assert tiers["experts"] == [f"model.layers.{i}.mlp.experts.{name}" for i in (0, 1)
+                                for name in ("down_proj", "gate_up_proj")]
+    for name in tiers["experts"]:
+        # No momentum: fp32 row and column means of each expert's matrix, and the step.
+        experts, rows, cols = params[name]["shape"]
+        assert not params[name]["momentum"]
+        assert params[name]["state_bytes"] == 4 * experts * (rows + cols) + 4
+    # The experts hold most of the params; AdamW's 8-bit state would be 2.125 B per param.
+    assert report["tiers"]["experts"]["num_elements"] > report["num_elements"] // 2
+    assert report["state_bytes_per_param"] < 1.0
