@@ -54,6 +54,8 @@ def main() -> None:
     parser.add_argument("--output-dir", default=None,
                         help="Trainer's output_dir (default: a temporary directory)")
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=256, hidden_size=args.hidden_size,

@@ -38,10 +38,15 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--offload", default="none", choices=("none", "host", "nvme"))
     parser.add_argument("--nvme-dir", default=None,
-                        help="directory of the page file with --offload nvme")
+                        help="directory of the page file with --offload nvme (default: "
+                             "$TMPDIR or /tmp)")
     parser.add_argument("--cache-bytes", type=int, default=None,
                         help="bytes of state kept resident with --offload (default 1 GiB)")
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
+    if args.offload == "none" and (args.nvme_dir or args.cache_bytes is not None):
+        parser.error("--nvme-dir and --cache-bytes need --offload host or nvme")
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)

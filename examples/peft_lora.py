@@ -4,8 +4,8 @@ library's sources.
 
     pip install pagedoptim[hf]                                  # transformers, peft, accelerate
     python examples/peft_lora.py                                # state in memory, 8-bit
-    python examples/peft_lora.py --offload host --cache-bytes 65536
-    python examples/peft_lora.py --offload nvme --nvme-dir /nvme --cache-bytes 65536
+    python examples/peft_lora.py --offload host --cache-bytes 16384
+    python examples/peft_lora.py --offload nvme --nvme-dir /nvme --cache-bytes 16384
     python examples/peft_lora.py --steps 300 --hidden-size 512 --rank 16
 
 Trainer takes the optimizer as optimizer_cls_and_kwargs=(po.AdamW, {...}) and builds it on
@@ -52,13 +52,15 @@ def main() -> None:
     parser.add_argument("--state-bits", type=int, default=8, choices=(8, 32))
     parser.add_argument("--offload", default="none", choices=("none", "host", "nvme"))
     parser.add_argument("--nvme-dir", default=None,
-                        help="directory of the page file with --offload nvme (default: the "
-                             "system's temporary directory)")
+                        help="directory of the page file with --offload nvme (default: "
+                             "$TMPDIR or /tmp)")
     parser.add_argument("--cache-bytes", type=int, default=None,
                         help="bytes of state kept resident with --offload (default 1 GiB)")
     parser.add_argument("--output-dir", default=None,
                         help="Trainer's output_dir (default: a temporary directory)")
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
     if args.offload == "none" and (args.nvme_dir or args.cache_bytes is not None):
         parser.error("--nvme-dir and --cache-bytes need --offload host or nvme")
 
@@ -96,8 +98,8 @@ def main() -> None:
           f"{losses[-1]:.3f} in {args.steps} steps; {trainable:,} of {total:,} params "
           f"trainable, optimizer state {report['state_bytes'] / 2**10:.1f} KiB "
           f"({report['state_bytes_per_param']:.2f} bytes per trainable param), "
-          f"placed {report['state_placement']}; offload={paging['offload']}: "
-          f"{paging['misses']} page misses")
+          f"placed {report['state_placement']}"
+          + (f"; {paging['misses']} page misses" if offload else ""))
     print(json.dumps({"example": "peft_lora", "device": str(training_args.device),
                       "steps": args.steps, "trainable_params": trainable,
                       "total_params": total, "losses": losses, "memory_report": report,
