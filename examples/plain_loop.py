@@ -37,7 +37,7 @@ def stdlib_bytes(count: int) -> torch.Tensor:
 
 
 class NextByte(nn.Module):
-    """Logits of the next byte from the `context` bytes before it: [batch, context] -> [batch, 256]."""
+    """Next-byte logits from the `context` bytes before it: [batch, context] -> [batch, 256]."""
 
     def __init__(self, context: int, width: int, hidden: int):
         super().__init__()

@@ -30,8 +30,10 @@ EIGHT_BIT = (2.125, 2.3)
 
 
 def run_example(name: str, *flags: str, cwd: pathlib.Path, **variables: str) -> dict:
+    # The test's own PAGEDOPTIM settings must not reach the example (the build's may).
     environ = {key: value for key, value in os.environ.items()
                if not key.startswith(env_settings.FLAG) or key in env_settings.RESERVED}
+    # Models this small are all overhead: more threads only contend on a small machine.
     environ.update(variables, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         filter(None, [str(SOURCE), os.environ.get("PYTHONPATH")])))
     if torch.cuda.is_available() and cuda_skip_reason() is not None:
