@@ -194,5 +194,8 @@ setup(
     cmdclass={"build": BuildWithStartupHook, "build_startup_hook": BuildStartupHook,
               "build_ext": CMakeBuild},
     install_requires=["torch>=2.4"],
+    # HF Trainer, PEFT and accelerate routes (pagedoptim.integrations.transformers) and the
+    # examples that use them; the core never imports them.
+    extras_require={"hf": ["transformers", "peft", "accelerate"]},
     zip_safe=False,
 )
