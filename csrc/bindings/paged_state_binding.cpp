@@ -6,12 +6,15 @@
 
 #include <ATen/Parallel.h>
 
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "pagedoptim/optim/paged_state.h"
+#include "pagedoptim/paging/page_table.h"
 #include "bindings/page_store_binding.h"
 #include "bindings/simulated_backend.h"
 #include "bindings/tensor_args.h"
@@ -44,6 +47,45 @@ const optim::ParallelFor& torch_parallel_for() {
         at::parallel_for(0, n, 1, body);
       };
   return parallel_for;
+}
+
+std::vector<std::vector<paging::StreamSpec>> to_stream_specs(
+    const std::vector<std::vector<StreamTuple>>& kinds) {
+  std::vector<std::vector<paging::StreamSpec>> specs;
+  for (const auto& streams : kinds) {
+    specs.emplace_back();
+    for (const auto& [name, bytes_per_group, per_group] : streams) {
+      specs.back().push_back(paging::StreamSpec{name, bytes_per_group, per_group});
+    }
+  }
+  return specs;
+}
+
+// The number of pages PagedState would lay out for these params, without allocating any:
+// the page table alone, so `python -m pagedoptim plan` can state a 70B model's state bytes
+// exactly. Empty kinds (plain SGD) have no pages, as in PagedState.
+int64_t count_pages(const std::vector<std::vector<StreamTuple>>& kinds, int64_t page_bytes,
+                    const std::vector<std::pair<int64_t, int64_t>>& params) {
+  TORCH_CHECK_VALUE(page_bytes > 0 && page_bytes % 4096 == 0,
+                    "page_bytes must be a positive multiple of 4096, got ", page_bytes);
+  TORCH_CHECK_VALUE(!kinds.empty(), "kinds must name at least one page kind");
+  std::vector<paging::PageGeometry> geometries;
+  for (auto& streams : to_stream_specs(kinds)) {
+    try {
+      geometries.emplace_back(std::move(streams), page_bytes);
+    } catch (const std::invalid_argument& error) {
+      TORCH_CHECK_VALUE(false, error.what());
+    }
+  }
+  paging::PageTable table(std::move(geometries));
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto [numel, kind] = params[i];
+    TORCH_CHECK_VALUE(kind >= 0 && kind < int64_t(kinds.size()), "params[", i, "] has kind ",
+                      kind, ", expected 0..", kinds.size() - 1);
+    TORCH_CHECK_VALUE(numel >= 0, "params[", i, "] has ", numel, " elements, expected >= 0");
+    if (!kinds[size_t(kind)].empty()) table.add_param(numel, int(kind));
+  }
+  return table.num_pages();
 }
 
 // Validates one call's tensors and turns them into the driver's ParamSteps.
@@ -265,15 +307,8 @@ void bind_paged_state(pybind11::module_& m) {
              TORCH_CHECK_VALUE(page_bytes > 0 && page_bytes % 4096 == 0,
                                "page_bytes must be a positive multiple of 4096, got ",
                                page_bytes);
-             std::vector<std::vector<paging::StreamSpec>> specs;
-             for (const auto& streams : kinds) {
-               specs.emplace_back();
-               for (const auto& [name, bytes_per_group, per_group] : streams) {
-                 specs.back().push_back(paging::StreamSpec{name, bytes_per_group, per_group});
-               }
-             }
              return std::make_unique<PagedState>(
-                 parse_kind(kind), std::move(specs),
+                 parse_kind(kind), to_stream_specs(kinds),
                  make_store(store, page_bytes, parse_device(device)));
            }),
            py::arg("kind"), py::arg("kinds"), py::arg("page_bytes"), py::arg("store") = py::none(),
@@ -389,6 +424,10 @@ void bind_paged_state(pybind11::module_& m) {
            "Whether CUDA steps may use the vector bodies (four elements per lane) for aligned "
            "rows; off runs every row one element per lane, to measure the difference. The "
            "results are the same bits either way.");
+  m.def("count_pages", &count_pages, py::arg("kinds"), py::arg("page_bytes"),
+        py::arg("params"),
+        "Pages PagedState would lay out for params given as (numel, kind), each kind's streams "
+        "as (name, bytes per group of 32, per_group); nothing is allocated.");
 }
 
 }  // namespace pagedoptim::bindings

@@ -9,13 +9,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedoptim import convert, demo
+from pagedoptim import convert, demo, plan
 
 # name -> (module, one-line help)
 COMMANDS = {
     "demo": (demo, "train a tiny LM with pagedoptim.AdamW and torch.optim.AdamW side by side"),
     "convert": (convert, "convert an optimizer checkpoint between pagedoptim's state format "
                          "and torch.optim's"),
+    "plan": (plan, "will a training run fit: memory by component, the settings that fit, "
+                   "and the step time, before the first step"),
 }
 
 

@@ -799,7 +799,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         grads = [sharded_params.local_tensor(p.grad) for p in self._indexed_params()
                  if p.grad is not None]
         grad_bytes = sum(g.numel() * g.element_size() for g in grads)
-        moment_bytes = scale_bytes = residual_bytes = 0
+        stream_bytes = {"moment_bytes": 0, "scale_bytes": 0, "residual_bytes": 0}
         page_bytes = num_pages = 0
         placement: dict[str, int] = {}
         if self._engine is not None:
@@ -810,13 +810,9 @@ class PagedOptimizer(torch.optim.Optimizer):
                 if slot < 0:
                     continue
                 for spec in self._streams_of(p):
-                    size = self._engine.stream_bytes(slot, spec.name)
-                    if spec.name == state_format.RESIDUAL:
-                        residual_bytes += size
-                    elif spec.per_group:
-                        scale_bytes += size
-                    else:
-                        moment_bytes += size
+                    stream_bytes[state_format.report_field(spec)] += \
+                        self._engine.stream_bytes(slot, spec.name)
+        moment_bytes, scale_bytes, residual_bytes = stream_bytes.values()
         step_bytes = 4 * sum(1 for v in self.state.values() if isinstance(v, ParamState)
                              and (v.hidden_step() is not None or "step" in v.plain_items()))
         state_bytes = page_bytes + step_bytes

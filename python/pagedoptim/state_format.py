@@ -119,3 +119,10 @@ def convert_for_stream(spec: StreamSpec, moments: list[Moment],
 
 def expected_numel(spec: StreamSpec, numel: int) -> int:
     return (numel + GROUP_SIZE - 1) // GROUP_SIZE if spec.per_group else numel
+
+
+def report_field(spec: StreamSpec) -> str:
+    """The memory_report() field a stream's bytes count in."""
+    if spec.name == RESIDUAL:
+        return "residual_bytes"
+    return "scale_bytes" if spec.per_group else "moment_bytes"

@@ -1,0 +1,412 @@
+"""`python -m pagedoptim plan`: will this training run fit, with which settings, and how fast
+will its optimizer step be?
+
+Give the model (a HF config.json, a parameter count, or named shapes), the memory you have
+(GPU, host, free NVMe) and the training shape. plan prints the memory each component needs
+for torch.optim.AdamW, a generic 8-bit optimizer without paging, and pagedoptim with
+offload=None|host|nvme; recommends the settings that fit; and estimates the optimizer
+step's time and paging traffic from the link bandwidths `python -m pagedoptim bench`
+measured on this machine (or stated defaults, which it names).
+
+Optimizer-state bytes are exact: plan runs pagedoptim's own page layout. Activations are an
+estimate, and are marked as one.
+
+Sizes take decimal (GB) or binary (GiB, or a bare G) suffixes: 24GiB, 80G, 1.5TB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from typing import Any, Optional
+
+import torch
+
+from pagedoptim import machine_profile, memory_plan, model_shapes
+from pagedoptim.memory_plan import Column, Method, Params, TrainingShape
+
+_DECIMAL = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
+_BINARY = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+# The smallest page cache plan recommends: MIN_CACHE_PAGES pages of 4 KiB would page too
+# often to be worth it; 64 MiB keeps steps from stalling on every page.
+_MIN_RECOMMENDED_CACHE = 64 << 20
+_CACHE_ROUNDING = 2 << 20
+# torch has no Lion: its column is a plain implementation's state (one moment per param).
+_TORCH_NAMES = {"adamw": "torch.optim.AdamW", "sgd": "torch.optim.SGD", "lion": "plain Lion"}
+
+
+def parse_size(text: str, flag: str) -> int:
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
+    unit = match.group(2) if match else None
+    if match is None or (unit not in _DECIMAL and unit not in _BINARY):
+        raise ValueError(f"{flag}: expected a size such as 24GiB, 80G or 500GB, got {text!r}")
+    size = float(match.group(1)) * _DECIMAL.get(unit, _BINARY.get(unit, 1))
+    if not math.isfinite(size) or size <= 0 or size > 2**60:
+        raise ValueError(f"{flag}: expected a size above 0 and below 1 EiB, got {text!r}")
+    return int(size)
+
+
+def human(size: Optional[float]) -> str:
+    if size is None:
+        return "-"
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(size) >= scale:
+            return f"{size / scale:.2f} {unit}"
+    return f"{int(size)} B"
+
+
+# --- building the plan ----------------------------------------------------------------------
+
+
+def _model_spec(args: argparse.Namespace) -> model_shapes.ModelSpec:
+    given = [name for name in ("model", "params", "shapes") if getattr(args, name)]
+    if len(given) != 1:
+        raise ValueError("name the model with exactly one of --model CONFIG.json, --params "
+                         f"COUNT or --shapes NAME=DxD,...; got {len(given) or 'none'}")
+    if args.model:
+        return model_shapes.from_hf_config(args.model)
+    if args.params:
+        return model_shapes.from_param_count(args.params)
+    return model_shapes.from_named_shapes(args.shapes)
+
+
+def _dtype(args: argparse.Namespace, spec: model_shapes.ModelSpec, on_gpu: bool) -> torch.dtype:
+    if args.dtype is not None:
+        return memory_plan.DTYPES[args.dtype]
+    if spec.dtype in memory_plan.DTYPES.values():
+        return spec.dtype
+    return torch.bfloat16 if on_gpu else torch.float32
+
+
+def _base_settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {"state_bits": args.state_bits, "master_bits": args.master_bits}
+
+
+def _pagedoptim_column(name: str, params: Params, settings: dict[str, Any],
+                       context: dict[str, Any]) -> Column:
+    return memory_plan.build_column(name, params, settings=settings, **context)
+
+
+def _fits(column: Column, budget: dict[str, Optional[int]], on_gpu: bool) -> dict[str, int]:
+    """Bytes missing per resource (empty: it fits)."""
+    missing = {}
+    if on_gpu:
+        if column.device_peak > budget["gpu"]:
+            missing["gpu_memory"] = column.device_peak - budget["gpu"]
+        host = column.host_needed + memory_plan.HOST_OVERHEAD_BYTES
+    else:
+        host = column.device_peak + column.host_needed + memory_plan.HOST_OVERHEAD_BYTES
+    if budget["host"] is not None and host > budget["host"]:
+        missing["host_memory"] = host - budget["host"]
+    if column.nvme and budget["nvme"] is not None and column.nvme > budget["nvme"]:
+        missing["nvme"] = column.nvme - budget["nvme"]
+    return missing
+
+
+def _cache_that_fits(params: Params, settings: dict[str, Any], context: dict[str, Any],
+                     budget: dict[str, Optional[int]], on_gpu: bool) -> int:
+    """The largest page cache (a 2 MiB multiple) the training device has room for."""
+    probe = _pagedoptim_column("probe", params, {**settings, "cache_bytes": _CACHE_ROUNDING},
+                               context)
+    room = budget["gpu"] if on_gpu else budget["host"]
+    if room is None:
+        return 0
+    if not on_gpu:
+        room -= memory_plan.HOST_OVERHEAD_BYTES
+    spare = room - (probe.device_peak - probe.page_cache)
+    return max(0, spare // _CACHE_ROUNDING * _CACHE_ROUNDING)
+
+
+def _candidates(params: Params, args: argparse.Namespace, context: dict[str, Any],
+                budget: dict[str, Optional[int]], on_gpu: bool) -> list[tuple[str, dict]]:
+    """pagedoptim settings from fastest to slowest: unpaged, paged to host memory (GPU
+    only), paged to NVMe; then each again with release_grads (which rules out gradient
+    clipping and accumulation, so it comes after paging, which changes nothing)."""
+    base = _base_settings(args)
+    out = []
+    for release in (False, True):
+        extra = {"release_grads": True} if release else {}
+        out.append(("unpaged", {**base, **extra}))
+        for tier in (("host", "nvme") if on_gpu else ("nvme",)):
+            settings = {**base, **extra, "offload": tier}
+            if tier == "nvme" and args.nvme_dir:
+                settings["nvme_dir"] = args.nvme_dir
+            # Where even the smallest cache does not fit, it stays a candidate: the
+            # shortfall is then reported for it.
+            cache = args.cache_bytes or max(_MIN_RECOMMENDED_CACHE, _cache_that_fits(
+                params, settings, context, budget, on_gpu))
+            out.append((f"offload={tier}", {**settings, "cache_bytes": cache}))
+    return out
+
+
+def _step_mode(column: Column, params: Params) -> str:
+    """The bench mode that measured a step like this column's (machine_profile names)."""
+    settings = column.settings
+    if not settings:
+        return "torch_adamw"
+    if settings.get("offload") == "nvme":
+        return "8bit_nvme"
+    if settings.get("state_bits") == 32:
+        return "exact"
+    half = any(dtype != torch.float32 for _, _, dtype in params.trainable)
+    return "bf16_master24" if half and settings.get("master_bits") == 24 else "8bit"
+
+
+def estimate_step(column: Column, params: Params, profile: machine_profile.MachineProfile,
+                  device: torch.device) -> dict[str, Any]:
+    """Seconds per optimizer step and paging traffic, with where each number came from."""
+    on_gpu = device.type == "cuda"
+    touched = memory_plan.step_bytes_touched(params, column)
+    measured = None if on_gpu else profile.step_params_per_s.get(
+        (_step_mode(column, params), "cpu"))
+    if measured is not None and not column.settings.get("offload"):
+        kernel, kernel_source = params.trainable_elements / measured, \
+            f"{_step_mode(column, params)} step measured by bench ({profile.path})"
+    else:
+        link = profile.link("device_memory" if on_gpu else "memory")
+        kernel, kernel_source = touched / link.bytes_per_s, \
+            f"{human(touched)} touched at {link.bytes_per_s / 1e9:.0f} GB/s ({link.source})"
+    read, written = memory_plan.paging_traffic_bytes(column)
+    io, io_source = 0.0, None
+    offload = column.settings.get("offload")
+    if offload == "host":
+        h2d, d2h = profile.link("host_to_device"), profile.link("device_to_host")
+        io = max(read / h2d.bytes_per_s, written / d2h.bytes_per_s)
+        io_source = f"pinned copies at {h2d.bytes_per_s / 1e9:.0f} GB/s ({h2d.source})"
+    elif offload == "nvme":
+        disk = profile.link("disk_mixed")
+        io = (read + written) / disk.bytes_per_s
+        io_source = f"disk at {disk.bytes_per_s / 1e9:.1f} GB/s mixed ({disk.source})"
+    # A GPU cache prefetches while kernels run; the CPU pager today moves pages between
+    # its kernels, so there the times add up.
+    step = max(kernel, io) if on_gpu else kernel + io
+    return {"step_seconds": step, "kernel_seconds": kernel, "io_seconds": io,
+            "paging_read_bytes": read, "paging_written_bytes": written,
+            "kernel_source": kernel_source, "io_source": io_source}
+
+
+def build_plan(args: argparse.Namespace) -> dict[str, Any]:
+    spec = _model_spec(args)
+    on_gpu = args.gpu_memory is not None
+    device = torch.device("cuda" if on_gpu else "cpu")
+    dtype = _dtype(args, spec, on_gpu)
+    method = Method(args.lora_rank, tuple(args.lora_modules.split(",")))
+    training = TrainingShape(args.seq_len, args.micro_batch, args.activation_checkpointing)
+    params = memory_plan.trainable_params(spec, method, dtype)
+    if spec.dims is not None:
+        activations = memory_plan.activation_bytes(spec.dims, training, dtype)
+        loss_transient = memory_plan.loss_transient_bytes(spec.dims, training, dtype)
+    else:
+        activations, loss_transient = None, 0
+    nvme_free = args.nvme_free
+    if nvme_free is None and args.nvme_dir:
+        stats = os.statvfs(args.nvme_dir)
+        nvme_free = stats.f_bavail * stats.f_frsize
+    budget = {"gpu": args.gpu_memory, "host": args.host_memory, "nvme": nvme_free}
+    context = dict(device=device, algorithm=args.optimizer, activations=activations,
+                   loss_transient=loss_transient)
+
+    torch_state, torch_transient = memory_plan.torch_state_bytes(params, args.optimizer)
+    columns = [
+        memory_plan.build_column(_TORCH_NAMES[args.optimizer], params,
+                                 state=torch_state, step_transient=torch_transient, **context),
+        memory_plan.build_column(
+            "8-bit, no paging", params,
+            state=memory_plan.blockwise_8bit_state_bytes(params, args.optimizer), **context),
+    ]
+    base = _base_settings(args)
+    columns.append(_pagedoptim_column("pagedoptim offload=None", params, base, context))
+    shown_cache = args.cache_bytes or max(
+        _MIN_RECOMMENDED_CACHE,
+        _cache_that_fits(params, {**base, "offload": "nvme"}, context, budget, on_gpu))
+    for tier in (("host", "nvme") if on_gpu else ("nvme",)):
+        columns.append(_pagedoptim_column(f"pagedoptim offload={tier}", params,
+                                          {**base, "offload": tier, "cache_bytes": shown_cache},
+                                          context))
+
+    recommendation, tried = None, []
+    for label, settings in _candidates(params, args, context, budget, on_gpu):
+        column = _pagedoptim_column(label, params, settings, context)
+        missing = _fits(column, budget, on_gpu)
+        tried.append((column, missing))
+        if not missing:
+            recommendation = column
+            break
+    profile = machine_profile.load_profile(args.bench_file)
+    for column in columns + [column for column, _ in tried]:
+        column.estimates = estimate_step(column, params, profile, device)
+    closest = min(tried, key=lambda item: sum(item[1].values()))
+    return {
+        "model": spec.description,
+        "num_params": spec.num_params,
+        "trainable_params": params.trainable_elements,
+        "dtype": str(dtype).replace("torch.", ""),
+        "device": device.type,
+        "method": "full fine-tune" if not method.is_lora else
+                  f"LoRA r={method.lora_rank} on {','.join(method.lora_modules)}",
+        "training": {"seq_len": training.seq_len, "micro_batch": training.micro_batch,
+                     "activation_checkpointing": training.activation_checkpointing},
+        "budget": budget,
+        "activations_are_estimate": True,
+        "columns": [column.as_dict() for column in columns],
+        "recommendation": recommendation.as_dict() if recommendation else None,
+        "missing": None if recommendation else {"settings": closest[0].settings,
+                                                "bytes": closest[1]},
+        "overheads": {"cuda_context": memory_plan.CUDA_OVERHEAD_BYTES if on_gpu else 0,
+                      "host_process": memory_plan.HOST_OVERHEAD_BYTES},
+        "bench_file": str(profile.path) if profile.path else None,
+    }
+
+
+# --- printing -------------------------------------------------------------------------------
+
+_ROWS = [
+    ("weights", "weights"),
+    ("gradients", "grads"),
+    ("activations (estimate)", "activations"),
+    ("optimizer state", "optimizer_state"),
+    ("master residual", "master_residual"),
+    ("page cache", "page_cache"),
+    ("pinned host", "pinned_host"),
+    ("host tier", "host"),
+    ("NVMe page file", "nvme"),
+    ("step transient", "step_transient"),
+]
+
+
+def _settings_text(settings: dict[str, Any]) -> str:
+    shown = {key: value for key, value in settings.items() if value is not None}
+    return ", ".join(f"{key}={value!r}" for key, value in shown.items())
+
+
+def print_plan(plan: dict[str, Any], out=None) -> None:
+    out = out if out is not None else sys.stdout
+    gpu = plan["device"] == "cuda"
+    print(f"model: {plan['model']}; {plan['num_params']:,} params, "
+          f"{plan['trainable_params']:,} trainable ({plan['method']}), {plan['dtype']}", file=out)
+    t = plan["training"]
+    print(f"training: seq_len {t['seq_len']} x micro-batch {t['micro_batch']}, activation "
+          f"checkpointing {'on' if t['activation_checkpointing'] else 'off'}, on "
+          f"{'the GPU' if gpu else 'the CPU'}", file=out)
+    budget = plan["budget"]
+    print("have: " + ", ".join(f"{name} {human(value)}" for name, value in
+                                (("GPU", budget["gpu"]), ("host", budget["host"]),
+                                 ("NVMe free", budget["nvme"])) if value is not None), file=out)
+    print(file=out)
+    columns = plan["columns"]
+    width = max(26, *(len(c["name"]) + 2 for c in columns))
+    label_width = 24
+    print(f"{'':<{label_width}}" + "".join(f"{c['name']:>{width}}" for c in columns), file=out)
+    for label, key in _ROWS:
+        print(f"{label:<{label_width}}" + "".join(f"{human(c[key]):>{width}}" for c in columns),
+              file=out)
+    peak_label = "peak on GPU (+ CUDA ctx)" if gpu else "peak in host memory"
+    print(f"{peak_label:<{label_width}}" + "".join(f"{human(c['device_peak']):>{width}}"
+                                                    for c in columns), file=out)
+    print(f"{'step time (estimate)':<{label_width}}" + "".join(
+        f"{c['estimates']['step_seconds'] * 1e3:>{width - 3}.1f} ms" for c in columns), file=out)
+    print(f"{'paging traffic / step':<{label_width}}" + "".join(
+        f"{human(c['estimates']['paging_read_bytes'] + c['estimates']['paging_written_bytes']):>{width}}"
+        for c in columns), file=out)
+    print(file=out)
+    print("Activations are an estimate (a pre-norm decoder with SDPA attention); optimizer "
+          "state is exact.", file=out)
+    recommendation = plan["recommendation"]
+    if recommendation is not None:
+        e = recommendation["estimates"]
+        print(f"recommended: po.AdamW(model.parameters(), "
+              f"{_settings_text(recommendation['settings'])})", file=out)
+        print(f"  peak {human(recommendation['device_peak'])} "
+              f"{'on the GPU' if gpu else 'in host memory'}, "
+              f"{human(recommendation['host_needed'])} pinned/host state, "
+              f"{human(recommendation['nvme'])} on NVMe; step ~{e['step_seconds'] * 1e3:.1f} ms "
+              f"({e['kernel_source']}" + (f"; {e['io_source']}" if e["io_source"] else "") + ")",
+              file=out)
+        if recommendation["settings"].get("release_grads"):
+            print("  release_grads=True: no gradient clipping or accumulation (the grads are "
+                  "applied and freed inside backward)", file=out)
+    else:
+        missing = plan["missing"]
+        shortfall = ", ".join(f"{name.replace('_', ' ')} short by {human(value)} "
+                              f"({value:,} bytes)" for name, value in missing["bytes"].items())
+        print(f"does not fit: even the most frugal settings ({_settings_text(missing['settings'])}"
+              f") leave {shortfall}.", file=out)
+        print("  Options: LoRA (--lora-rank), activation checkpointing, a shorter sequence or "
+              "micro-batch, or more memory.", file=out)
+    if plan["bench_file"] is None:
+        print("Bandwidths are stated defaults: run `python -m pagedoptim bench` to measure "
+              "this machine.", file=out)
+
+
+# --- command line ---------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("the model (exactly one)")
+    model.add_argument("--model", help="a HF config.json (or a directory holding one)")
+    model.add_argument("--params", help="a parameter count, e.g. 7e9 or 7B")
+    model.add_argument("--shapes", help="named shapes, e.g. embed=32000x4096,q=4096x4096*32")
+    parser.add_argument("--dtype", choices=sorted(memory_plan.DTYPES),
+                        help="param dtype (default: the config's, else bf16 on a GPU, fp32 on "
+                             "the CPU)")
+    memory = parser.add_argument_group("the memory you have")
+    memory.add_argument("--gpu-memory", help="GPU memory, e.g. 24GiB (omit: train on the CPU)")
+    memory.add_argument("--host-memory", help="host memory, e.g. 64GiB")
+    memory.add_argument("--nvme-free", help="free space for the page file, e.g. 500GB")
+    memory.add_argument("--nvme-dir", help="where the page file would go (its free space is "
+                                           "used when --nvme-free is not given)")
+    shape = parser.add_argument_group("the training")
+    shape.add_argument("--seq-len", type=int, default=2048, help="default: %(default)s")
+    shape.add_argument("--micro-batch", type=int, default=1, help="default: %(default)s")
+    shape.add_argument("--activation-checkpointing", action="store_true")
+    shape.add_argument("--lora-rank", type=int, help="LoRA of this rank (default: full "
+                                                     "fine-tune)")
+    shape.add_argument("--lora-modules", default="q_proj,k_proj,v_proj,o_proj",
+                       help="comma-separated module names, or all-linear (default: "
+                            "%(default)s)")
+    options = parser.add_argument_group("the optimizer")
+    options.add_argument("--optimizer", choices=("adamw", "lion", "sgd"), default="adamw")
+    options.add_argument("--state-bits", type=int, choices=(8, 32), default=8)
+    options.add_argument("--master-bits", type=lambda text: None if text == "none" else int(text),
+                         default=24, help="24, 32 or none (default: %(default)s)")
+    options.add_argument("--cache-bytes", help="page cache size to plan with (default: what "
+                                               "fits)")
+    parser.add_argument("--bench-file", help="bench results to estimate with (default: "
+                                             f"{machine_profile.default_path()})")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _validate(args: argparse.Namespace) -> None:
+    for name in ("seq_len", "micro_batch"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.lora_rank is not None and args.lora_rank < 1:
+        raise ValueError(f"--lora-rank must be >= 1, got {args.lora_rank}")
+    if args.master_bits not in (None, 24, 32):
+        raise ValueError(f"--master-bits must be 24, 32 or none, got {args.master_bits}")
+    for flag in ("gpu_memory", "host_memory", "nvme_free", "cache_bytes"):
+        value = getattr(args, flag)
+        if value is not None:
+            setattr(args, flag, parse_size(value, f"--{flag.replace('_', '-')}"))
+    if args.nvme_dir and not os.path.isdir(args.nvme_dir):
+        raise ValueError(f"--nvme-dir {args.nvme_dir!r} is not a directory")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        _validate(args)
+        plan = build_plan(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"plan: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump(plan, sys.stdout, indent=1, default=str)
+        print()
+    else:
+        print_plan(plan)
+    return 0 if plan["recommendation"] is not None else 1
