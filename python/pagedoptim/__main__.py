@@ -9,13 +9,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedoptim import convert, demo
+from pagedoptim import bench, convert, demo
 
 # name -> (module, one-line help)
 COMMANDS = {
     "demo": (demo, "train a tiny LM with pagedoptim.AdamW and torch.optim.AdamW side by side"),
     "convert": (convert, "convert an optimizer checkpoint between pagedoptim's state format "
                          "and torch.optim's"),
+    "bench": (bench, "measure memory, disk and GPU link bandwidth and each mode's step "
+                     "throughput against torch AdamW, for plan"),
 }
 
 
