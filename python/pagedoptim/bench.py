@@ -21,6 +21,7 @@ import pathlib
 import socket
 import stat
 import sys
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -190,10 +191,18 @@ def _measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         progress.skip("pcie bandwidth", "no CUDA GPU")
 
     warmup = WARMUP[args.quick]
-    with progress.phase(f"step throughput, {args.params:,} params on {device.type}",
-                        steps=warmup + args.repeats) as advance:
+    # The paged mode warns when its page file falls back to POSIX or buffered I/O. Caught
+    # here, the warning becomes one line after the progress and a note in the record, not
+    # a two-line warning in the middle of a bar.
+    with warnings.catch_warnings(record=True) as caught, \
+            progress.phase(f"step throughput, {args.params:,} params on {device.type}",
+                           steps=warmup + args.repeats) as advance:
+        warnings.simplefilter("always")
         results = step_modes.measure_steps(args.params, device, args.dir, warmup=warmup,
                                            repeats=args.repeats, on_round=advance)
+    notes = list(dict.fromkeys(str(warning.message) for warning in caught))
+    for note in notes:
+        print(f"bench: {note}", file=sys.stderr)
     torch_rate = next(r.params_per_s for r in results if r.mode == step_modes.TORCH_MODE)
     record["steps"] = [
         {"mode": r.mode, "device": device.type, "params_per_s": r.params_per_s,
@@ -202,7 +211,8 @@ def _measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         for r in results
     ]
     record["bench"] = {"params": args.params, "repeats": args.repeats, "quick": args.quick,
-                       "torch": torch.__version__, "threads": torch.get_num_threads()}
+                       "torch": torch.__version__, "threads": torch.get_num_threads(),
+                       "warnings": notes}
     return record
 
 
