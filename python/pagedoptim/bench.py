@@ -148,18 +148,18 @@ def scratch_dir_problem(directory: str, needed_bytes: int) -> Optional[str]:
     return None
 
 
-def output_problem(path: pathlib.Path) -> Optional[str]:
-    """Why the record cannot be written to `path`, or None; checked before the minute of
-    measuring rather than after it."""
+def output_problem(path: pathlib.Path, flag: str) -> Optional[str]:
+    """Why the file `flag` names cannot be written to `path`, or None; checked before the
+    minute of measuring rather than after it."""
     if path.is_dir():
-        return f"--output {path} is a directory; name a file"
+        return f"{flag} {path} is a directory; name a file"
     ancestor = path.parent
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        return f"--output {path}: {ancestor} is not a directory"
+        return f"{flag} {path}: {ancestor} is not a directory"
     if not os.access(ancestor, os.W_OK | os.X_OK):
-        return f"--output {path}: {ancestor} is not writable"
+        return f"{flag} {path}: {ancestor} is not writable"
     return None
 
 
@@ -261,9 +261,9 @@ def run(args: argparse.Namespace) -> int:
     _resolve_sizes(args)
     output = args.output if args.output is not None else machine_profile.default_path()
     needed = max(args.disk_bytes, step_modes.nvme_page_file_bytes(args.params))
-    problem = (scratch_dir_problem(args.dir, needed) or output_problem(output)
+    problem = (scratch_dir_problem(args.dir, needed) or output_problem(output, "--output")
                or (matplotlib_missing() if args.png is not None else None)
-               or (output_problem(args.png) if args.png is not None else None))
+               or (output_problem(args.png, "--png") if args.png is not None else None))
     if problem is not None:
         print(f"bench: {problem}", file=sys.stderr)
         return 1

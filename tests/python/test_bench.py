@@ -210,3 +210,11 @@ def test_unwritable_output_is_refused_before_measuring(tmp_path, monkeypatch, ca
     captured = capsys.readouterr()
     assert code == 1 and "--output" in captured.err and str(regular) in captured.err, captured.err
     assert sorted(path.name for path in tmp_path.iterdir()) == ["a-file"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib not installed")
+def test_png_into_a_directory_is_refused_before_measuring(tmp_path, monkeypatch, capsys):
+    code = bench_in_process("--quick", "--dir", str(tmp_path), "--png", str(tmp_path),
+                            "--output", str(tmp_path / "out.json"), tmp_path=tmp_path,
+                            monkeypatch=monkeypatch)
+    refused_before_writing(code, capsys, tmp_path, "--png", "is a directory")
