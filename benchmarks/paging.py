@@ -35,12 +35,14 @@ MIB = 1 << 20
 
 
 def disk_bandwidth(directory: str, file_bytes: int) -> dict:
-    """Sequential write + read of our own engine (io_uring, O_DIRECT, QD16, 1 MiB blocks)."""
+    """Sequential write, read and mixed (half read while half written) bandwidth of our own
+    engine (io_uring, O_DIRECT, QD16, 1 MiB blocks)."""
     result = native.measure_disk_bandwidth(directory, file_bytes, 1 << 20, 16, "auto")
     emit({"bench": "disk_bandwidth", "tool": "pagedoptim_io", "dir": directory,
           "backend": result["backend"], "direct": result["direct"],
           "bytes": result["bytes"], "write_gb_per_s": significant(result["write_gb_per_s"]),
-          "read_gb_per_s": significant(result["read_gb_per_s"])})
+          "read_gb_per_s": significant(result["read_gb_per_s"]),
+          "mixed_gb_per_s": significant(result["mixed_gb_per_s"])})
     return result
 
 

@@ -437,13 +437,17 @@ void bind_page_store(py::module_& m) {
           d["bytes"] = r.bytes;
           d["write_gb_per_s"] = r.write_gb_per_s;
           d["read_gb_per_s"] = r.read_gb_per_s;
+          d["mixed_bytes"] = r.mixed_bytes;
+          d["mixed_gb_per_s"] = r.mixed_gb_per_s;
           return d;
         },
         py::arg("dir"), py::arg("file_bytes") = int64_t(256) << 20,
         py::arg("block_bytes") = int64_t(1) << 20, py::arg("queue_depth") = 16,
         py::arg("backend") = "auto",
-        "Sequential write then read bandwidth of a scratch file in `dir`, through the same io "
-        "engines the page file uses (GB/s = 1e9 B/s).");
+        "Sequential write, sequential read, then mixed bandwidth (first half read while the "
+        "second is written, on one queue; mixed_gb_per_s counts both) of a scratch file of at "
+        "least two blocks in `dir`, through the same io engines the page file uses "
+        "(GB/s = 1e9 B/s).");
   m.def("drain_paging",
         [](optim::PagedState& state) {
           auto* device = dynamic_cast<paging::DeviceCacheStore*>(&state.store());

@@ -1,4 +1,5 @@
-// measure_sequential_bandwidth(): the disk's sequential limit as seen through our engine.
+// measure_sequential_bandwidth(): the disk's sequential and mixed read/write limits as seen
+// through our engine.
 #include <fcntl.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -24,10 +25,30 @@ struct FreeDeleter {
   void operator()(char* p) const noexcept { std::free(p); }
 };
 
+enum class PassKind { kWrite, kRead, kMixed };
+
+// The n-th request of a pass. A mixed pass alternates: even n read block n/2 of the first
+// half, odd n overwrite block n/2 of the second half (which starts at block half_blocks),
+// so from its first two requests on it has reads and writes in flight together.
+IoRequest request_for(PassKind kind, int64_t n, int64_t half_blocks, uint32_t block_bytes,
+                      uint32_t slot) {
+  OpKind op = kind == PassKind::kRead ? OpKind::kRead : OpKind::kWrite;
+  int64_t block = n;
+  if (kind == PassKind::kMixed) {
+    op = n % 2 == 0 ? OpKind::kRead : OpKind::kWrite;
+    block = n / 2 + (op == OpKind::kWrite ? half_blocks : 0);
+  }
+  const int64_t offset = block * static_cast<int64_t>(block_bytes);
+  const auto index = static_cast<int32_t>(slot);
+  return op == OpKind::kRead ? IoRequest::read_fixed(index, block_bytes, offset, slot)
+                             : IoRequest::write_fixed(index, block_bytes, offset, slot);
+}
+
 // Keeps every buffer slot busy: whenever a request completes, the next block goes into
-// the slot it freed. Returns seconds, or sets *error.
-double run_pass(IoEngine& engine, OpKind op, uint32_t slots, uint32_t block_bytes,
-                int64_t blocks, int* error) {
+// the slot it freed. `requests` counts the requests of the pass (for kMixed, reads and
+// writes together). Returns seconds, or sets *error.
+double run_pass(IoEngine& engine, PassKind kind, uint32_t slots, uint32_t block_bytes,
+                int64_t requests, int64_t half_blocks, int* error) {
   std::vector<uint32_t> free_slots(slots);
   for (uint32_t i = 0; i < slots; ++i) {
     free_slots[i] = slots - 1 - i;
@@ -38,16 +59,12 @@ double run_pass(IoEngine& engine, OpKind op, uint32_t slots, uint32_t block_byte
   int64_t next = 0;
   int64_t finished = 0;
   const auto start = std::chrono::steady_clock::now();
-  while (finished < blocks) {
+  while (finished < requests) {
     batch.clear();
-    while (!free_slots.empty() && next < blocks) {
+    while (!free_slots.empty() && next < requests) {
       const uint32_t slot = free_slots.back();
       free_slots.pop_back();
-      const int64_t offset = next * static_cast<int64_t>(block_bytes);
-      const auto index = static_cast<int32_t>(slot);
-      batch.push_back(op == OpKind::kRead
-                          ? IoRequest::read_fixed(index, block_bytes, offset, slot)
-                          : IoRequest::write_fixed(index, block_bytes, offset, slot));
+      batch.push_back(request_for(kind, next, half_blocks, block_bytes, slot));
       ++next;
     }
     if (!batch.empty()) {
@@ -76,7 +93,7 @@ double run_pass(IoEngine& engine, OpKind op, uint32_t slots, uint32_t block_byte
       return 0.0;
     }
   }
-  if (op == OpKind::kWrite) {
+  if (kind != PassKind::kRead) {
     const int err = engine.sync();
     if (err < 0) {
       *error = err;
@@ -92,7 +109,8 @@ BandwidthResult measure_sequential_bandwidth(const BandwidthOptions& options) {
   BandwidthResult result;
   if (options.dir.empty() || options.block_bytes == 0 ||
       options.block_bytes % kDirectAlignment != 0 || options.queue_depth == 0 ||
-      options.queue_depth > kMaxQueueDepth || options.file_bytes < options.block_bytes) {
+      options.queue_depth > kMaxQueueDepth ||
+      options.file_bytes / std::max<int64_t>(options.block_bytes, 1) < 2) {
     result.error = -EINVAL;
     return result;
   }
@@ -161,14 +179,29 @@ BandwidthResult measure_sequential_bandwidth(const BandwidthOptions& options) {
   err = 0;
   const uint32_t depth = options.queue_depth;
   const uint32_t block = options.block_bytes;
-  const double write_seconds = run_pass(*engine, OpKind::kWrite, depth, block, blocks, &err);
-  if (err == 0 && !engine->file().is_direct()) {
-    // Written back by the fdatasync above, the pages are clean and can be dropped, so the
-    // read pass reads the disk rather than the page cache (tmpfs has no disk behind it).
-    ::posix_fadvise(engine->file().fd, 0, 0, POSIX_FADV_DONTNEED);
+  const int64_t half_blocks = blocks / 2;
+  // Written back by the fdatasync that ends every writing pass, the pages are clean and can
+  // be dropped, so a read reads the disk rather than the page cache.
+  const auto drop_cached_pages = [&engine] {
+    if (!engine->file().is_direct()) {
+      ::posix_fadvise(engine->file().fd, 0, 0, POSIX_FADV_DONTNEED);
+    }
+  };
+  const double write_seconds =
+      run_pass(*engine, PassKind::kWrite, depth, block, blocks, half_blocks, &err);
+  if (err == 0) {
+    drop_cached_pages();
   }
   const double read_seconds =
-      err == 0 ? run_pass(*engine, OpKind::kRead, depth, block, blocks, &err) : 0.0;
+      err == 0 ? run_pass(*engine, PassKind::kRead, depth, block, blocks, half_blocks, &err)
+               : 0.0;
+  if (err == 0) {
+    drop_cached_pages();
+  }
+  const double mixed_seconds =
+      err == 0
+          ? run_pass(*engine, PassKind::kMixed, depth, block, 2 * half_blocks, half_blocks, &err)
+          : 0.0;
   engine->unregister_buffers();
   engine->close();
   if (err < 0) {
@@ -181,6 +214,10 @@ BandwidthResult measure_sequential_bandwidth(const BandwidthOptions& options) {
   const auto gb = static_cast<double>(result.bytes) / 1e9;
   result.write_gb_per_s = write_seconds > 0 ? gb / write_seconds : 0.0;
   result.read_gb_per_s = read_seconds > 0 ? gb / read_seconds : 0.0;
+  result.mixed_bytes = 2 * half_blocks * static_cast<int64_t>(options.block_bytes);
+  result.mixed_seconds = mixed_seconds;
+  result.mixed_gb_per_s =
+      mixed_seconds > 0 ? static_cast<double>(result.mixed_bytes) / 1e9 / mixed_seconds : 0.0;
   return result;
 }
 

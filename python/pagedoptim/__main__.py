@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedoptim import convert, demo, plan
+from pagedoptim import bench, convert, demo, plan
 
 # name -> (module, one-line help)
 COMMANDS = {
@@ -18,6 +18,8 @@ COMMANDS = {
                          "and torch.optim's"),
     "plan": (plan, "will a training run fit: memory by component, the settings that fit, "
                    "and the step time, before the first step"),
+    "bench": (bench, "measure memory, disk and GPU link bandwidth and each mode's step "
+                     "throughput against torch AdamW, for plan"),
 }
 
 

@@ -283,7 +283,8 @@ std::unique_ptr<FaultInjectingEngine> make_fault_injecting_engine(
 
 struct BandwidthOptions {
   std::string dir;                 // a scratch file is created here and removed afterwards
-  int64_t file_bytes = 256 << 20;  // rounded down to a multiple of block_bytes
+  int64_t file_bytes = 256 << 20;  // rounded down to a multiple of block_bytes; at least two
+                                   // blocks, so the mixed pass has one to read, one to write
   uint32_t block_bytes = 1 << 20;  // one request; a multiple of kDirectAlignment
   uint32_t queue_depth = 16;
   Backend backend = Backend::kAuto;
@@ -297,15 +298,26 @@ struct BandwidthResult {
   DirectStatus direct = DirectStatus::kClosed;
   std::string direct_reason;
   int64_t bytes = 0;
+  int64_t mixed_bytes = 0;     // read + written in the mixed pass: bytes, rounded down to
+                               // an even number of blocks
   double write_seconds = 0.0;  // includes the final fdatasync
   double read_seconds = 0.0;
+  double mixed_seconds = 0.0;  // includes the final fdatasync
   double write_gb_per_s = 0.0;  // 1e9 bytes per second
   double read_gb_per_s = 0.0;
+  double mixed_gb_per_s = 0.0;  // reads and writes together: mixed_bytes / mixed_seconds
 };
 
-// Writes the file sequentially (then fdatasync), drops it from the page cache when the I/O
-// was buffered, and reads it back, keeping queue_depth requests of block_bytes in flight
-// into registered buffers. The read of buffered I/O on tmpfs measures memory, by nature.
+// Three passes over one scratch file, each keeping queue_depth requests of block_bytes in
+// flight into registered buffers:
+//   write: the whole file sequentially, then fdatasync;
+//   read:  the whole file sequentially;
+//   mixed: the first half read while the second half is overwritten, requests alternating
+//          read, write, read, ... on the same queue (then fdatasync), which is what the pager
+//          does when it prefetches pages while writing evicted ones back.
+// Before each read, buffered I/O drops the file from the page cache so that the disk, not
+// memory, is measured; on tmpfs there is no disk behind it and the reads measure memory, by
+// nature. The file's name is removed as soon as it is open, so no path leaves it behind.
 BandwidthResult measure_sequential_bandwidth(const BandwidthOptions& options);
 
 }  // namespace pagedoptim::io
