@@ -36,6 +36,7 @@ _BINARY = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
 # often to be worth it; 64 MiB keeps steps from stalling on every page.
 _MIN_RECOMMENDED_CACHE = 64 << 20
 _CACHE_ROUNDING = 2 << 20
+_PEER_NAME = "8-bit, no paging"
 # torch has no Lion: its column is a plain implementation's state (one moment per param).
 _TORCH_NAMES = {"adamw": "torch.optim.AdamW", "sgd": "torch.optim.SGD", "lion": "plain Lion"}
 
@@ -144,13 +145,15 @@ def _candidates(params: Params, args: argparse.Namespace, context: dict[str, Any
     return out
 
 
-def _step_mode(column: Column, params: Params) -> str:
-    """The bench mode that measured a step like this column's (machine_profile names)."""
+def _step_mode(column: Column, params: Params) -> Optional[str]:
+    """The bench mode whose kernels step like this column's (machine_profile names; None:
+    bench measures no such step). A paged column's kernels are its unpaged mode's: its
+    page traffic is estimated apart, from the link it crosses."""
     settings = column.settings
+    if column.name == _PEER_NAME:
+        return None
     if not settings:
         return "torch_adamw"
-    if settings.get("offload") == "nvme":
-        return "8bit_nvme"
     if settings.get("state_bits") == 32:
         return "exact"
     half = any(dtype != torch.float32 for _, _, dtype in params.trainable)
@@ -164,7 +167,7 @@ def estimate_step(column: Column, params: Params, profile: machine_profile.Machi
     touched = memory_plan.step_bytes_touched(params, column)
     measured = None if on_gpu else profile.step_params_per_s.get(
         (_step_mode(column, params), "cpu"))
-    if measured is not None and not column.settings.get("offload"):
+    if measured is not None:
         kernel, kernel_source = params.trainable_elements / measured, \
             f"{_step_mode(column, params)} step measured by bench ({profile.path})"
     else:
@@ -216,7 +219,7 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         memory_plan.build_column(_TORCH_NAMES[args.optimizer], params,
                                  state=torch_state, step_transient=torch_transient, **context),
         memory_plan.build_column(
-            "8-bit, no paging", params,
+            _PEER_NAME, params,
             state=memory_plan.blockwise_8bit_state_bytes(params, args.optimizer), **context),
     ]
     base = _base_settings(args)
