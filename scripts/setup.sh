@@ -25,10 +25,16 @@ if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
 fi
 "$PYTHON" -m pip install -q -r requirements-dev.txt
 
-# Rebuild only when a source changed since the last build (the stamp is in build/).
+# ccache hits across checkouts (a fresh clone in CI, a worktree): paths are hashed relative
+# to the checkout, and not the build directory's own path.
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
+export CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
+
+# Rebuild only when a native source or the build's own files changed since the last build
+# (the stamp is in build/). The editable install picks up Python changes without one.
 stamp=build/.pagedoptim-installed
-if [ ! -f "$stamp" ] || [ -n "$(find CMakeLists.txt setup.py cmake csrc include python -newer "$stamp" \
-        \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.txt' -o -name '*.py' \) \
+if [ ! -f "$stamp" ] || [ -n "$(find CMakeLists.txt setup.py cmake csrc include -newer "$stamp" \
+        \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.txt' -o -name '*.py' -o -name '*.cmake' \) \
         -print -quit)" ] || ! "$PYTHON" -c "import pagedoptim._C" >/dev/null 2>&1; then
   echo "setup: building pagedoptim"
   "$PYTHON" -m pip install -q --no-build-isolation --no-deps -e .

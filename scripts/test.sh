@@ -7,6 +7,9 @@ cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 PYTHON=${PYTHON:-python3}
 JOBS=${MAX_JOBS:-$(nproc)}
+# As in setup.sh: the sanitizer and CUDA builds below share ccache entries across checkouts.
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
+export CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
 
 core_build() {  # core_build DIR [cmake args...]: the torch-free core and its tests
   local dir=$1; shift

@@ -37,6 +37,7 @@ _BINARY = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
 _MIN_RECOMMENDED_CACHE = 64 << 20
 _CACHE_ROUNDING = 2 << 20
 _PEER_NAME = "8-bit, no paging"
+_CLASS_NAMES = {"adamw": "AdamW", "lion": "Lion", "sgd": "SGD"}
 # torch has no Lion: its column is a plain implementation's state (one moment per param).
 _TORCH_NAMES = {"adamw": "torch.optim.AdamW", "sgd": "torch.optim.SGD", "lion": "plain Lion"}
 
@@ -222,16 +223,6 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
             _PEER_NAME, params,
             state=memory_plan.blockwise_8bit_state_bytes(params, args.optimizer), **context),
     ]
-    base = _base_settings(args)
-    columns.append(_pagedoptim_column("pagedoptim offload=None", params, base, context))
-    shown_cache = args.cache_bytes or max(
-        _MIN_RECOMMENDED_CACHE,
-        _cache_that_fits(params, {**base, "offload": "nvme"}, context, budget, on_gpu))
-    for tier in (("host", "nvme") if on_gpu else ("nvme",)):
-        columns.append(_pagedoptim_column(f"pagedoptim offload={tier}", params,
-                                          {**base, "offload": tier, "cache_bytes": shown_cache},
-                                          context))
-
     recommendation, tried = None, []
     for label, settings in _candidates(params, args, context, budget, on_gpu):
         column = _pagedoptim_column(label, params, settings, context)
@@ -240,6 +231,19 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         if not missing:
             recommendation = column
             break
+    base = _base_settings(args)
+    columns.append(_pagedoptim_column("pagedoptim offload=None", params, base, context))
+    # The paged columns show the recommended cache where paging is recommended, else the
+    # cache that fits beside full gradients.
+    if recommendation is not None and recommendation.settings.get("offload"):
+        shown_cache = recommendation.settings["cache_bytes"]
+    else:
+        shown_cache = args.cache_bytes or max(_MIN_RECOMMENDED_CACHE, _cache_that_fits(
+            params, {**base, "offload": "nvme"}, context, budget, on_gpu))
+    for tier in (("host", "nvme") if on_gpu else ("nvme",)):
+        columns.append(_pagedoptim_column(f"pagedoptim offload={tier}", params,
+                                          {**base, "offload": tier, "cache_bytes": shown_cache},
+                                          context))
     profile = machine_profile.load_profile(args.bench_file)
     for column in columns + [column for column, _ in tried]:
         column.estimates = estimate_step(column, params, profile, device)
@@ -250,6 +254,7 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         "trainable_params": params.trainable_elements,
         "dtype": str(dtype).replace("torch.", ""),
         "device": device.type,
+        "optimizer": args.optimizer,
         "method": "full fine-tune" if not method.is_lora else
                   f"LoRA r={method.lora_rank} on {','.join(method.lora_modules)}",
         "training": {"seq_len": training.seq_len, "micro_batch": training.micro_batch,
@@ -322,8 +327,10 @@ def print_plan(plan: dict[str, Any], out=None) -> None:
     recommendation = plan["recommendation"]
     if recommendation is not None:
         e = recommendation["estimates"]
-        print(f"recommended: po.AdamW(model.parameters(), "
-              f"{_settings_text(recommendation['settings'])})", file=out)
+        cache = recommendation["settings"].get("cache_bytes")
+        print(f"recommended: po.{_CLASS_NAMES[plan['optimizer']]}(model.parameters(), "
+              f"{_settings_text(recommendation['settings'])})"
+              + (f"  # cache_bytes = {human(cache)}" if cache else ""), file=out)
         print(f"  peak {human(recommendation['device_peak'])} "
               f"{'on the GPU' if gpu else 'in host memory'}, "
               f"{human(recommendation['host_needed'])} pinned/host state, "
