@@ -327,7 +327,7 @@ def print_report(args: argparse.Namespace, corpus_bytes: int, held_out_bytes: in
         f"tiny causal LM: {num_params:,} params, d_model={args.d_model}, layers={args.layers}, "
         f"heads={args.heads}; {corpus_bytes:,} bytes of Python stdlib source, the last "
         f"{held_out_bytes:,} held out; {args.steps} steps of batch {args.batch} x seq_len "
-        f"{args.seq_len}; seed {args.seed}; {torch.get_num_threads()} threads"
+        f"{args.seq_len}; seed {args.seed}; {torch.get_num_threads()} intra-op thread(s)"
     )
     print(
         f"every run: same initial weights, same batches, peak lr {args.lr:g} (warmup, cosine "
