@@ -1,10 +1,13 @@
 """`python -m pagedoptim demo`: pagedoptim.AdamW next to torch.optim.AdamW on a real training run.
 
-Trains a tiny byte-level causal language model twice -- once with pagedoptim.AdamW, once with
-torch.optim.AdamW -- from the same initial weights on the same batches, then prints both loss
-curves, the optimizer-state memory and the wall time side by side. The text is the Python
-standard library's own source code, so the demo needs no download and reads the same bytes on
-every machine with the same Python version.
+Trains a tiny byte-level causal language model three times from the same initial weights on
+the same batches: with torch.optim.AdamW (fp32 state), with pagedoptim.AdamW (8-bit state by
+default) and with pagedoptim.AdamW paging that state to a file (offload="nvme") through a
+cache too small to hold it. It prints the loss curves, a held-out loss, the optimizer-state
+bytes by kind and the times side by side, checks that paging changed no loss in any bit, and
+draws the curves and the bytes into a PNG. The text is the Python standard library's own
+source code, so the demo needs no download and reads the same bytes on every machine with
+the same Python version: its last 10% is held out, never trained on.
 """
 
 from __future__ import annotations
@@ -14,21 +17,26 @@ import inspect
 import math
 import os
 import pathlib
-import sys
+import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import pagedoptim
+from pagedoptim.demo_plot import save_demo_figure
+from pagedoptim.options import PAGE_ALIGNMENT
+from pagedoptim.progress import progress_bar
 
 VOCAB_SIZE = 256  # bytes
-PAGEDOPTIM_NAME = "pagedoptim.AdamW"
 TORCH_NAME = "torch.optim.AdamW"
 BETAS = (0.9, 0.95)  # the usual choice for LM pretraining
+HELD_OUT_FRACTION = 0.1  # of the corpus, at its end: other modules than the ones trained on
 
 
 # --- data ----------------------------------------------------------------------------------
@@ -130,58 +138,60 @@ class TinyCausalLM(nn.Module):
 
 # --- measurement ---------------------------------------------------------------------------
 
+# Optimizer-state kinds shared by both libraries, in the order the tables and bars show them.
+MOMENTS, SCALES, RESIDUALS, STEPS, SLACK = (
+    "moments", "group scales", "master residuals", "step counters", "page slack")
+STATE_KINDS = (MOMENTS, SCALES, RESIDUALS, STEPS, SLACK)
+# memory_report() key -> kind
+_REPORT_KINDS = {"moment_bytes": MOMENTS, "scale_bytes": SCALES, "residual_bytes": RESIDUALS,
+                 "step_bytes": STEPS, "page_slack_bytes": SLACK}
+# torch.optim.AdamW state key -> kind
+_TORCH_KINDS = {"exp_avg": MOMENTS, "exp_avg_sq": MOMENTS, "max_exp_avg_sq": MOMENTS, "step": STEPS}
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of optimizer state, from the optimizer's own accounting when it has one.
 
-    torch's optimizers have none, so their state tensors are summed; for pagedoptim the report
-    is authoritative (it knows about page padding and compressed streams).
+def state_bytes_by_kind(optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of optimizer state by kind, from the optimizer's own accounting when it has one.
+
+    torch's optimizers have none, so their state tensors are summed by state key; for
+    pagedoptim the report is authoritative (it knows the compressed streams and the page space
+    no stream uses).
     """
+    by_kind = dict.fromkeys(STATE_KINDS, 0)
     memory_report = getattr(optimizer, "memory_report", None)
     if memory_report is not None:
-        return int(memory_report()["state_bytes"])
-    return sum(
-        value.numel() * value.element_size()
-        for param_state in optimizer.state_dict()["state"].values()
-        for value in param_state.values()
-        if isinstance(value, torch.Tensor)
-    )
+        report = memory_report()
+        for key, kind in _REPORT_KINDS.items():
+            by_kind[kind] += int(report[key])
+        return by_kind
+    for param_state in optimizer.state.values():
+        for key, value in param_state.items():
+            if isinstance(value, torch.Tensor):
+                kind = _TORCH_KINDS.get(key, key)  # a key we do not know is a kind of its own
+                by_kind[kind] = by_kind.get(kind, 0) + value.numel() * value.element_size()
+    return by_kind
 
 
-class _SimpleProgressBar:
-    """The subset of tqdm's interface used below, drawn with carriage returns on stderr."""
-
-    _WIDTH = 30
-
-    def __init__(self, total: int, desc: str):
-        self._total, self._desc, self._done, self._postfix = total, desc, 0, ""
-        self._drawn_fraction = -1.0
-
-    def set_postfix_str(self, postfix: str) -> None:
-        self._postfix = postfix
-
-    def update(self, count: int) -> None:
-        self._done += count
-        fraction = self._done / self._total
-        # Redraw on each visible change only, so a long run does not flood a logged stderr.
-        if fraction - self._drawn_fraction >= 1 / self._WIDTH or self._done == self._total:
-            self._drawn_fraction = fraction
-            filled = int(fraction * self._WIDTH)
-            bar = "#" * filled + "." * (self._WIDTH - filled)
-            sys.stderr.write(f"\r{self._desc} [{bar}] {self._done}/{self._total} {self._postfix}")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        sys.stderr.write("\n")
-        sys.stderr.flush()
+def held_out_windows(corpus: torch.Tensor, *, seq_len: int, windows: int) -> torch.Tensor:
+    """Up to `windows` consecutive, non-overlapping windows of seq_len+1 bytes from the start
+    of the held-out slice: the same bytes for every run, none of them trained on."""
+    count = min(windows, (corpus.numel() - 1) // seq_len)
+    if count < 1:
+        raise ValueError(f"the held-out slice ({corpus.numel()} bytes) needs more than "
+                         f"seq_len+1={seq_len + 1} bytes; raise --corpus-bytes")
+    starts = torch.arange(count) * seq_len
+    return corpus[starts.unsqueeze(1) + torch.arange(seq_len + 1)]  # [count, seq_len+1]
 
 
-def progress_bar(total: int, desc: str):
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _SimpleProgressBar(total, desc)
-    return tqdm(total=total, desc=desc, file=sys.stderr)
+@torch.no_grad()
+def mean_loss(model: nn.Module, windows: torch.Tensor, batch: int) -> float:
+    """Mean next-byte cross-entropy over the windows, in batches of `batch`."""
+    total, count = 0.0, 0
+    for chunk in windows.split(batch):
+        logits = model(chunk[:, :-1])
+        total += F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), chunk[:, 1:].reshape(-1),
+                                 reduction="sum").item()
+        count += chunk[:, 1:].numel()
+    return total / count
 
 
 # --- training ------------------------------------------------------------------------------
@@ -190,9 +200,16 @@ def progress_bar(total: int, desc: str):
 @dataclass
 class RunResult:
     losses: list[float]
+    held_out_loss: float
     num_params: int
-    state_bytes: int
-    wall_seconds: float
+    state_by_kind: dict[str, int]
+    wall_seconds: float  # the whole training loop: forward, backward and optimizer steps
+    step_seconds: float  # the median optimizer.step(), the first (which allocates state) left out
+    paging_stats: Optional[dict] = None  # for a paged pagedoptim run
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(self.state_by_kind.values())
 
 
 def warmup_cosine(steps: int) -> Callable[[int], float]:
@@ -213,14 +230,15 @@ def train(
     make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
     args: argparse.Namespace,
     batches: BatchSampler,
+    held_out: torch.Tensor,
 ) -> RunResult:
-    # Re-seeding before construction gives both runs bit-identical initial weights.
+    # Re-seeding before construction gives every run bit-identical initial weights.
     torch.manual_seed(args.seed)
     model = TinyCausalLM(d_model=args.d_model, layers=args.layers, heads=args.heads, seq_len=args.seq_len)
     optimizer = make_optimizer(list(model.parameters()))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.steps))
 
-    losses = []
+    losses, step_seconds = [], []
     bar = progress_bar(args.steps, name)
     start = time.perf_counter()
     for step in range(args.steps):
@@ -230,15 +248,33 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
+        step_start = time.perf_counter()
         optimizer.step()
+        step_seconds.append(time.perf_counter() - step_start)
         scheduler.step()
         losses.append(loss.item())
         bar.set_postfix_str(f"loss {losses[-1]:.4f}")
         bar.update(1)
     wall_seconds = time.perf_counter() - start
     bar.close()
-    num_params = sum(p.numel() for p in model.parameters())
-    return RunResult(losses, num_params, optimizer_state_bytes(optimizer), wall_seconds)
+    # torch's optimizers have no paging_stats; an unpaged pagedoptim state says offload None.
+    paging_stats = getattr(optimizer, "paging_stats", lambda: {"offload": None})()
+    return RunResult(
+        losses=losses,
+        held_out_loss=mean_loss(model, held_out, args.batch),
+        num_params=sum(p.numel() for p in model.parameters()),
+        state_by_kind=state_bytes_by_kind(optimizer),
+        wall_seconds=wall_seconds,
+        step_seconds=statistics.median(step_seconds[1:] or step_seconds),
+        paging_stats=paging_stats if paging_stats["offload"] else None,
+    )
+
+
+def default_cache_bytes(unpaged: RunResult) -> int:
+    """A quarter of the unpaged state's pages, in whole 4 KiB pages: small enough that pages
+    leave and come back every step."""
+    page_space = unpaged.state_bytes - unpaged.state_by_kind[STEPS]
+    return max(PAGE_ALIGNMENT, page_space // 4 // PAGE_ALIGNMENT * PAGE_ALIGNMENT)
 
 
 # --- report --------------------------------------------------------------------------------
@@ -250,38 +286,120 @@ def logged_steps(steps: int, rows: int) -> list[int]:
     return sorted({1, steps, *range(interval, steps, interval)})
 
 
-def print_report(args: argparse.Namespace, corpus_bytes: int, paged: RunResult, reference: RunResult) -> None:
-    num_params = reference.num_params
+def final_train_loss(losses: list[float]) -> float:
+    """The mean loss of the last 10% of steps: one batch's loss is too noisy to compare."""
+    tail = losses[-max(1, len(losses) // 10):]
+    return sum(tail) / len(tail)
+
+
+def print_table(header: list[str], rows: list[list[str]]) -> None:
+    """Columns right-aligned except the first, separated by ' | ', a rule under the header."""
+    widths = [max(len(row[col]) for row in [header, *rows]) for col in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        first, *rest = cells
+        return " | ".join([f"{first:<{widths[0]}}", *(f"{c:>{w}}" for c, w in zip(rest, widths[1:]))])
+
+    print(line(header))
+    print("-+-".join("-" * width for width in widths))
+    for row in rows:
+        print(line(row))
+
+
+def mib(num_bytes: int) -> str:
+    return f"{num_bytes / (1 << 20):.1f} MiB"
+
+
+def paging_difference(paged: RunResult, unpaged: RunResult) -> Optional[str]:
+    """Where the paged run's losses first differ from the unpaged run's in any bit, or None."""
+    differs_at = next((step for step, (a, b) in enumerate(zip(paged.losses, unpaged.losses), start=1)
+                       if a != b), None)
+    if differs_at is not None:
+        return f"step {differs_at}"
+    return None if paged.held_out_loss == unpaged.held_out_loss else "the held-out loss"
+
+
+def print_report(args: argparse.Namespace, corpus_bytes: int, held_out_bytes: int,
+                 runs: dict[str, RunResult], paged_name: str, unpaged_name: str,
+                 paged_settings: str, paging_differs_at: Optional[str]) -> None:
+    num_params = next(iter(runs.values())).num_params
     print(
         f"tiny causal LM: {num_params:,} params, d_model={args.d_model}, layers={args.layers}, "
-        f"heads={args.heads}; {corpus_bytes:,} bytes of Python stdlib source; "
-        f"{args.steps} steps of batch {args.batch} x seq_len {args.seq_len}; seed {args.seed}; "
-        f"{torch.get_num_threads()} threads"
+        f"heads={args.heads}; {corpus_bytes:,} bytes of Python stdlib source, the last "
+        f"{held_out_bytes:,} held out; {args.steps} steps of batch {args.batch} x seq_len "
+        f"{args.seq_len}; seed {args.seed}; {torch.get_num_threads()} intra-op thread(s)"
     )
     print(
-        f"{PAGEDOPTIM_NAME}(state_bits={args.state_bits}) vs {TORCH_NAME}: peak lr {args.lr:g} "
-        f"(warmup, cosine decay), betas {BETAS}, weight decay {args.weight_decay:g}, "
-        f"grad norm clipped at {args.clip_grad_norm:g}"
+        f"every run: same initial weights, same batches, peak lr {args.lr:g} (warmup, cosine "
+        f"decay), betas {BETAS}, weight decay {args.weight_decay:g}, grad norm clipped at "
+        f"{args.clip_grad_norm:g}"
     )
+    print(f"{TORCH_NAME}: fp32 state; {unpaged_name}: state_bits={args.state_bits}, all state "
+          f"in memory; {paged_name}: the same with {paged_settings}")
     print()
-    print(f"{'step':>6} | {'loss ' + PAGEDOPTIM_NAME:>24} | {'loss ' + TORCH_NAME:>24} | {'abs diff':>9}")
-    print(f"{'-' * 6}-+-{'-' * 24}-+-{'-' * 24}-+-{'-' * 9}")
-    for step in logged_steps(args.steps, args.log_rows):
-        paged_loss, reference_loss = paged.losses[step - 1], reference.losses[step - 1]
-        print(
-            f"{step:>6} | {paged_loss:>24.6f} | {reference_loss:>24.6f} | "
-            f"{abs(paged_loss - reference_loss):>9.2e}"
+
+    names = list(runs)
+    print("training loss at step (each step's own batch)")
+    print_table(["step", *names], [
+        [str(step), *(f"{runs[name].losses[step - 1]:.6f}" for name in names)]
+        for step in logged_steps(args.steps, args.log_rows)
+    ])
+    print()
+
+    if paging_differs_at is None:
+        print(f"paging: {paged_name} and {unpaged_name} losses are identical at all {args.steps} "
+              f"steps and held out (bit for bit: paging never changes results)")
+    else:
+        print(f"paging: {paged_name} and {unpaged_name} losses DIFFER, first at "
+              f"{paging_differs_at}: paging must never change results, please report this")
+    stats = runs[paged_name].paging_stats or {}
+    print(f"paging: {stats.get('num_pages', 0)} pages of {stats.get('page_bytes', 0):,} B, "
+          f"{stats.get('cache_bytes', 0):,} B of them resident; "
+          f"{mib(sum(stats.get('bytes_read', {}).values()))} read from and "
+          f"{mib(sum(stats.get('bytes_written', {}).values()))} written to the page file "
+          f"({stats.get('io_backend', '?')}), cache hit rate {stats.get('hit_rate', 0.0):.0%}, "
+          f"{stats.get('stall_seconds', 0.0):.2f} s waiting for I/O")
+    print()
+
+    print("optimizer-state bytes by kind")
+    kinds = [kind for kind in dict.fromkeys(k for run in runs.values() for k in run.state_by_kind)]
+    print_table(["kind", *names], [
+        *([kind, *(f"{runs[name].state_by_kind.get(kind, 0):,}" for name in names)] for kind in kinds),
+        ["total", *(f"{runs[name].state_bytes:,}" for name in names)],
+    ])
+    print()
+
+    print("summary")
+    print_table(
+        ["optimizer", "train loss (last 10%)", "held-out loss", "state bytes", "bytes/param",
+         "wall time (s)", "step time (ms)"],
+        [[name, f"{final_train_loss(run.losses):.4f}", f"{run.held_out_loss:.4f}",
+          f"{run.state_bytes:,}", f"{run.state_bytes / num_params:.2f}", f"{run.wall_seconds:.2f}",
+          f"{1000 * run.step_seconds:.2f}"] for name, run in runs.items()],
+    )
+    print("(step time: the median optimizer.step(); wall time: the whole training loop)")
+
+
+def save_figure(args: argparse.Namespace, runs: dict[str, RunResult], identical_runs: dict[str, str]) -> None:
+    if args.no_png:
+        return
+    try:
+        save_demo_figure(
+            args.png,
+            title=(f"tiny causal LM, {next(iter(runs.values())).num_params:,} params, "
+                   f"{args.steps} steps of {args.batch} x {args.seq_len} bytes"),
+            train_losses={name: run.losses for name, run in runs.items()},
+            held_out_losses={name: run.held_out_loss for name, run in runs.items()},
+            state_bytes_by_kind={name: run.state_by_kind for name, run in runs.items()},
+            num_params=next(iter(runs.values())).num_params,
+            identical_runs=identical_runs,
         )
-    print()
-    metric_width = 28
-    print(f"{'':<{metric_width}} | {PAGEDOPTIM_NAME:>17} | {TORCH_NAME:>17}")
-    print(f"{'-' * metric_width}-+-{'-' * 17}-+-{'-' * 17}")
-    print(f"{'optimizer-state bytes':<{metric_width}} | {paged.state_bytes:>17,} | {reference.state_bytes:>17,}")
-    print(
-        f"{'optimizer-state bytes/param':<{metric_width}} | {paged.state_bytes / num_params:>17.2f} | "
-        f"{reference.state_bytes / num_params:>17.2f}"
-    )
-    print(f"{'wall time (s)':<{metric_width}} | {paged.wall_seconds:>17.2f} | {reference.wall_seconds:>17.2f}")
+    except ModuleNotFoundError as error:
+        if not (error.name or "").startswith("matplotlib"):
+            raise
+        print("figure: not drawn, matplotlib is not installed (pip install matplotlib)")
+        return
+    print(f"figure: {os.path.abspath(args.png)}")
 
 
 # --- command line --------------------------------------------------------------------------
@@ -289,8 +407,8 @@ def print_report(args: argparse.Namespace, corpus_bytes: int, paged: RunResult, 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default: %(default)s)")
-    parser.add_argument("--batch", type=int, default=16, help="sequences per batch (default: %(default)s)")
-    parser.add_argument("--seq-len", type=int, default=128, help="bytes per sequence (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per batch (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=64, help="bytes per sequence (default: %(default)s)")
     parser.add_argument("--d-model", type=int, default=128, help="model width (default: %(default)s)")
     parser.add_argument("--layers", type=int, default=4, help="transformer blocks (default: %(default)s)")
     parser.add_argument("--heads", type=int, default=4, help="attention heads (default: %(default)s)")
@@ -307,33 +425,79 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--corpus-bytes",
         type=int,
         default=2 << 20,
-        help="bytes of standard-library source to train on (default: %(default)s)",
+        help="bytes of standard-library source, the last 10%% held out (default: %(default)s)",
     )
+    parser.add_argument("--held-out-windows", type=int, default=64,
+                        help="held-out sequences the final loss is measured on (default: %(default)s)")
+    parser.add_argument("--cache-bytes", type=int, default=None,
+                        help="resident pages of the paged run (default: a quarter of its state)")
+    parser.add_argument("--nvme-dir", default=None,
+                        help="directory of the paged run's page file (default: $TMPDIR or /tmp)")
+    parser.add_argument("--png", default=os.path.join(tempfile.gettempdir(), "pagedoptim_demo.png"),
+                        help="where the figure goes (default: %(default)s)")
+    parser.add_argument("--no-png", action="store_true", help="draw no figure")
     parser.add_argument("--log-rows", type=int, default=11, help="rows in the loss table (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default: %(default)s)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default: %(default)s: this model is too small for more to "
+             "pay, and on a machine busy with other work each extra thread waits on the others, "
+             "5-10x slower steps measured on 2 shared cores)",
+    )
 
 
 def _validate(args: argparse.Namespace) -> None:
-    positive = ("steps", "batch", "seq_len", "d_model", "layers", "heads", "corpus_bytes", "log_rows")
+    positive = ("steps", "batch", "seq_len", "d_model", "layers", "heads", "corpus_bytes",
+                "held_out_windows", "log_rows", "threads")
     for name in positive:
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.d_model % args.heads:
         raise SystemExit(f"--d-model ({args.d_model}) must be a multiple of --heads ({args.heads})")
+    if args.cache_bytes is not None and args.cache_bytes < PAGE_ALIGNMENT:
+        raise SystemExit(f"--cache-bytes must hold at least one {PAGE_ALIGNMENT}-byte page, "
+                         f"got {args.cache_bytes}")
+    if args.nvme_dir is not None and not os.path.isdir(args.nvme_dir):
+        raise SystemExit(f"--nvme-dir {args.nvme_dir!r} is not a directory")
 
 
 def run(args: argparse.Namespace) -> int:
     _validate(args)
+    torch.set_num_threads(args.threads)
     hyperparameters = dict(lr=args.lr, betas=BETAS, eps=1e-8, weight_decay=args.weight_decay)
     if args.state_bits is None:
         # Resolved here rather than left to the constructor so the report names what ran.
         args.state_bits = inspect.signature(pagedoptim.AdamW).parameters["state_bits"].default
 
     corpus = load_stdlib_bytes(args.corpus_bytes)
-    batches = BatchSampler(corpus, steps=args.steps, batch=args.batch, seq_len=args.seq_len, seed=args.seed + 1)
+    held_out_start = corpus.numel() - int(corpus.numel() * HELD_OUT_FRACTION)
+    try:
+        held_out = held_out_windows(corpus[held_out_start:], seq_len=args.seq_len,
+                                    windows=args.held_out_windows)
+        batches = BatchSampler(corpus[:held_out_start], steps=args.steps, batch=args.batch,
+                               seq_len=args.seq_len, seed=args.seed + 1)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
 
-    paged = train(PAGEDOPTIM_NAME, lambda p: pagedoptim.AdamW(p, **hyperparameters, state_bits=args.state_bits), args, batches)
-    reference = train(TORCH_NAME, lambda p: torch.optim.AdamW(p, **hyperparameters), args, batches)
+    unpaged_name = f"pagedoptim.AdamW {args.state_bits}-bit"
+    paged_name = f"{unpaged_name} nvme"
+    runs = {
+        TORCH_NAME: train(TORCH_NAME, lambda p: torch.optim.AdamW(p, **hyperparameters), args,
+                          batches, held_out),
+        unpaged_name: train(unpaged_name, lambda p: pagedoptim.AdamW(
+            p, **hyperparameters, state_bits=args.state_bits), args, batches, held_out),
+    }
+    cache_bytes = args.cache_bytes if args.cache_bytes is not None else default_cache_bytes(runs[unpaged_name])
+    runs[paged_name] = train(paged_name, lambda p: pagedoptim.AdamW(
+        p, **hyperparameters, state_bits=args.state_bits, offload="nvme", nvme_dir=args.nvme_dir,
+        cache_bytes=cache_bytes), args, batches, held_out)
 
-    print_report(args, corpus.numel(), paged, reference)
-    return 0
+    paged_settings = (f'offload="nvme", cache_bytes={cache_bytes:,}, page file in '
+                      f"{args.nvme_dir or os.environ.get('TMPDIR') or '/tmp'}")
+    differs_at = paging_difference(runs[paged_name], runs[unpaged_name])
+    print_report(args, corpus.numel(), corpus.numel() - held_out_start, runs, paged_name,
+                 unpaged_name, paged_settings, differs_at)
+    save_figure(args, runs, {} if differs_at else {paged_name: unpaged_name})
+    return 0 if differs_at is None else 1  # a paged run that changed results is a bug

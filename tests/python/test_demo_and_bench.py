@@ -6,6 +6,8 @@ their output has the promised shape; they never check timings, which depend on t
 
 from __future__ import annotations
 
+import argparse
+import io
 import json
 import math
 import pathlib
@@ -13,12 +15,19 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+from pagedoptim import demo, progress
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 TINY_DEMO_ARGS = [
     "--steps", "5", "--batch", "2", "--seq-len", "16", "--d-model", "32", "--layers", "1",
     "--heads", "2", "--corpus-bytes", "4096", "--seed", "3",
 ]  # fmt: skip
+
+# The demo's runs, in the order of its tables' columns and rows (the library default state_bits=8).
+DEMO_RUNS = ["torch.optim.AdamW", "pagedoptim.AdamW 8-bit", "pagedoptim.AdamW 8-bit nvme"]
 
 THROUGHPUT_KEYS = {
     "size",
@@ -45,23 +54,122 @@ def test_cli_without_command_prints_usage():
     assert "usage:" in result.stdout and "demo" in result.stdout
 
 
-def test_demo_prints_finite_losses_and_memory_for_both_optimizers():
-    result = run(["-m", "pagedoptim", "demo", *TINY_DEMO_ARGS], timeout=300)
-    assert result.returncode == 0, result.stderr
+def table(stdout: str, title: str) -> tuple[list[str], list[list[str]]]:
+    """The header and rows of the demo's table under the line `title`: cells split on '|'."""
+    lines = stdout.splitlines()
+    assert title in lines, f"no table '{title}' in:\n{stdout}"
+    header, rule, *rest = lines[lines.index(title) + 1:]
+    assert set(rule) <= {"-", "+"}, rule
+    rows = []
+    for line in rest:
+        if " | " not in line:
+            break
+        rows.append([cell.strip() for cell in line.split("|")])
+    return [cell.strip() for cell in header.split("|")], rows
 
-    # Loss rows: "  step | loss pagedoptim | loss torch | abs diff".
-    loss_rows = re.findall(r"^\s*(\d+) \|\s*(\S+) \|\s*(\S+) \|\s*(\S+)\s*$", result.stdout, re.MULTILINE)
-    steps = [int(row[0]) for row in loss_rows]
-    assert steps and steps[0] == 1 and steps[-1] == 5, result.stdout
-    for _, paged_loss, torch_loss, _ in loss_rows:
-        assert math.isfinite(float(paged_loss)) and math.isfinite(float(torch_loss)), result.stdout
 
-    for metric in ("optimizer-state bytes", "optimizer-state bytes/param", "wall time (s)"):
-        row = re.search(rf"^{re.escape(metric)}\s*\|\s*([\d.,]+)\s*\|\s*([\d.,]+)\s*$", result.stdout, re.MULTILINE)
-        assert row is not None, f"no '{metric}' row in:\n{result.stdout}"
-        paged_value, torch_value = (float(value.replace(",", "")) for value in row.groups())
-        if metric.startswith("optimizer-state"):
-            assert paged_value > 0 and torch_value > 0, row.group(0)
+def number(cell: str) -> float:
+    value = float(cell.replace(",", ""))
+    assert math.isfinite(value), cell
+    return value
+
+
+@pytest.fixture(scope="module")
+def tiny_demo(tmp_path_factory) -> tuple[subprocess.CompletedProcess[str], pathlib.Path]:
+    """One tiny demo run, its output piped (so not a terminal), shared by the tests below."""
+    png = tmp_path_factory.mktemp("demo") / "demo.png"
+    result = run(["-m", "pagedoptim", "demo", *TINY_DEMO_ARGS, "--png", str(png)], timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result, png
+
+
+def test_demo_loss_table_has_every_run_and_paging_changes_no_loss(tiny_demo):
+    result, _ = tiny_demo
+    header, rows = table(result.stdout, "training loss at step (each step's own batch)")
+    assert header == ["step", *DEMO_RUNS], header
+    assert [int(row[0]) for row in rows][0] == 1 and int(rows[-1][0]) == 5, rows
+    for row in rows:
+        torch_loss, unpaged_loss, paged_loss = (number(cell) for cell in row[1:])
+        assert 0 < torch_loss < 10 and 0 < unpaged_loss < 10
+        assert paged_loss == unpaged_loss, row  # paging never changes results
+    # The demo compares the losses bit for bit (and exits 1 when they differ); it says so.
+    assert "losses are identical at all 5 steps and held out" in result.stdout, result.stdout
+    # Its cache is too small for the state: pages left and came back.
+    traffic = re.search(r"^paging: .* ([\d.]+) MiB read from and ([\d.]+) MiB written to the page file",
+                        result.stdout, re.MULTILINE)
+    assert traffic and float(traffic[1]) > 0 and float(traffic[2]) > 0, result.stdout
+
+
+def test_demo_summary_has_a_row_of_finite_numbers_per_optimizer(tiny_demo):
+    result, _ = tiny_demo
+    header, rows = table(result.stdout, "summary")
+    assert header == ["optimizer", "train loss (last 10%)", "held-out loss", "state bytes",
+                      "bytes/param", "wall time (s)", "step time (ms)"], header
+    assert [row[0] for row in rows] == DEMO_RUNS, rows
+    summary = {row[0]: [number(cell) for cell in row[1:]] for row in rows}
+    for name, values in summary.items():
+        assert all(value > 0 for value in values), (name, values)
+    torch_row, unpaged_row, paged_row = (summary[name] for name in DEMO_RUNS)
+    assert torch_row[3] == 8.0, torch_row  # fp32 exp_avg and exp_avg_sq: 8 bytes per param
+    assert unpaged_row[2] < torch_row[2] / 2, (unpaged_row, torch_row)
+    assert paged_row[:2] == unpaged_row[:2], (paged_row, unpaged_row)  # train and held-out loss
+
+    # The bytes by kind add up to the state bytes of the summary.
+    kind_header, kind_rows = table(result.stdout, "optimizer-state bytes by kind")
+    assert kind_header == ["kind", *DEMO_RUNS]
+    *kinds, total = kind_rows
+    assert total[0] == "total" and {row[0] for row in kinds} >= {"moments", "group scales", "page slack"}
+    for column, name in enumerate(DEMO_RUNS, start=1):
+        assert sum(number(row[column]) for row in kinds) == number(total[column]) == summary[name][2]
+
+
+def test_demo_writes_its_png_and_prints_the_path(tiny_demo):
+    result, png = tiny_demo
+    assert f"figure: {png}" in result.stdout.splitlines(), result.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_progress_does_not_flood_a_log(tiny_demo):
+    result, _ = tiny_demo
+    # Not a terminal: a line at each quarter of each run, no carriage-return redraws.
+    assert "\r" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert 0 < len(lines) < 20, result.stderr
+    for name in DEMO_RUNS:
+        assert sum(line.startswith(f"{name}: ") for line in lines) <= len(progress.LOG_MILESTONES)
+
+
+def test_progress_writes_one_line_per_milestone_to_a_log_and_a_bar_to_a_terminal():
+    log = io.StringIO()
+    bar = progress.progress_bar(300, "run", stream=log)
+    for _ in range(300):
+        bar.update(1)
+    bar.close()
+    assert [line.split(" after ")[0] for line in log.getvalue().splitlines()] == [
+        "run: 75/300 (25%)", "run: 150/300 (50%)", "run: 225/300 (75%)", "run: 300/300 (100%)"]
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    bar = progress.progress_bar(300, "run", stream=terminal)
+    for _ in range(300):
+        bar.update(1)
+    bar.close()
+    assert "\r" in terminal.getvalue() and "300/300" in terminal.getvalue()
+
+
+def test_demo_without_matplotlib_says_so_and_draws_nothing(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args(["--png", str(tmp_path / "demo.png")])
+    run_result = demo.RunResult(losses=[2.0], held_out_loss=2.0, num_params=1,
+                                state_by_kind={"moments": 8}, wall_seconds=1.0, step_seconds=0.1)
+    demo.save_figure(args, {"a": run_result}, {})
+    assert "not drawn, matplotlib is not installed" in capsys.readouterr().out
+    assert not (tmp_path / "demo.png").exists()
 
 
 def test_step_throughput_quick_prints_one_json_object_per_line():
