@@ -199,6 +199,32 @@ def memory_plan(num_params: int) -> dict[str, float]:
     }
 
 
+def plan_against_measurement(model, opt, settings: dict[str, Any], *, seq: int, batch: int,
+                              device: torch.device) -> dict[str, Any]:
+    """What `python -m pagedoptim plan` says for this run next to what it measured: the
+    optimizer-state bytes must be equal, the peak within 10% (issue 13). On a GPU the peak
+    is torch.cuda.max_memory_allocated, so plan's stated CUDA context overhead is left out."""
+    from pagedoptim import memory_plan as planner, model_shapes
+    spec = model_shapes.from_module(model, "gpu_paging", dims=model_shapes.dims_from_config(
+        model.config))
+    dtype = next(model.parameters()).dtype
+    params = planner.trainable_params(spec, planner.Method(), dtype)
+    shape = planner.TrainingShape(seq, batch, activation_checkpointing=True)
+    column = planner.build_column(
+        "run", params, settings=settings, device=device, algorithm="adamw",
+        activations=planner.activation_bytes(spec.dims, shape, dtype),
+        loss_transient=planner.loss_transient_bytes(spec.dims, shape, dtype))
+    record = {"state_bytes": column.exact_state.state_bytes,
+              "measured_state_bytes": opt.memory_report()["state_bytes"]}
+    record["state_exact"] = record["state_bytes"] == record["measured_state_bytes"]
+    if device.type == "cuda":
+        peak = column.device_peak - planner.CUDA_OVERHEAD_BYTES
+        measured = torch.cuda.max_memory_allocated(device)
+        record.update(peak_bytes=peak, measured_peak_bytes=measured,
+                      peak_ratio=peak / measured)
+    return record
+
+
 def train_run(size: str, device: torch.device, *, paged: bool, seq: int, batch: int,
               steps: int, warmup: int, cache_fraction: float | None = 0.1,
               cache_bytes: int | None = None) -> dict[str, Any]:
@@ -237,6 +263,8 @@ def train_run(size: str, device: torch.device, *, paged: bool, seq: int, batch: 
     }
     if device.type == "cuda":
         record["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+    record["plan"] = plan_against_measurement(model, opt, {"release_grads": True, **kw},
+                                              seq=seq, batch=batch, device=device)
     if paged:
         stats = opt.paging_stats()
         record.update(links=stats.get("links"), compute_wait_seconds=stats.get(
@@ -327,6 +355,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         emit({"bench": "gpu_paging", "part": "train_ratio", "paged_over_resident": ratio})
         targets["train_1b_paged_over_resident"] = {"value": ratio, "target": 1.15,
                                                    "met": ratio <= 1.15}
+        for paged, record in runs.items():
+            plan = record["plan"]
+            name = f"plan_{'paged' if paged else 'resident'}_1b"
+            targets[f"{name}_state_exact"] = {"value": plan["state_bytes"],
+                                              "measured": plan["measured_state_bytes"],
+                                              "met": plan["state_exact"]}
+            if "peak_ratio" in plan:
+                targets[f"{name}_peak_ratio"] = {"value": plan["peak_ratio"], "target": "0.9-1.1",
+                                                 "met": abs(plan["peak_ratio"] - 1) <= 0.10}
 
     def headline() -> None:
         size = "tiny" if args.quick else "8b"

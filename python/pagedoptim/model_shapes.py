@@ -119,8 +119,14 @@ def _config_value(config: Any, raw: dict[str, Any], name: str, path: pathlib.Pat
 
 
 def _dims(config: Any, raw: dict[str, Any], path: pathlib.Path) -> TransformerDims:
-    hidden, layers, heads, vocab = (_config_value(config, raw, name, path)
-                                    for name in REQUIRED_CONFIG_FIELDS)
+    for name in REQUIRED_CONFIG_FIELDS:
+        _config_value(config, raw, name, path)
+    return dims_from_config(config)
+
+
+def dims_from_config(config: Any) -> TransformerDims:
+    """The activation estimate's dimensions of a transformers config object."""
+    hidden, layers, heads, vocab = (getattr(config, name) for name in REQUIRED_CONFIG_FIELDS)
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     intermediate = (getattr(config, "moe_intermediate_size", None)
