@@ -346,6 +346,12 @@ def print_plan(plan: dict[str, Any], out=None) -> None:
                               f"({value:,} bytes)" for name, value in missing["bytes"].items())
         print(f"does not fit: even the most frugal settings ({_settings_text(missing['settings'])}"
               f") leave {shortfall}.", file=out)
+        weights = plan["columns"][0]["weights"]
+        room = budget["gpu"] if gpu else budget["host"]
+        if room is not None and weights > room:
+            print(f"  The weights alone need {human(weights)} "
+                  f"{'on the GPU' if gpu else 'in host memory'}: pagedoptim pages optimizer "
+                  "state, never weights.", file=out)
         print("  Options: LoRA (--lora-rank), activation checkpointing, a shorter sequence or "
               "micro-batch, or more memory.", file=out)
     if plan["bench_file"] is None:
