@@ -37,5 +37,7 @@ if command -v nvcc >/dev/null 2>&1; then
   ./scripts/cuda_build_check.sh
 fi
 
+# One worker per core: the suite spends much of its time in child processes (ranks, the
+# examples, plan's peak measurements) and in imports, which overlap well.
 echo "== Python tests"
-"$PYTHON" -m pytest -q tests/python
+"$PYTHON" -m pytest -q -n "$JOBS" tests/python
