@@ -352,8 +352,11 @@ def print_plan(plan: dict[str, Any], out=None) -> None:
             print(f"  The weights alone need {human(weights)} "
                   f"{'on the GPU' if gpu else 'in host memory'}: pagedoptim pages optimizer "
                   "state, never weights.", file=out)
-        print("  Options: LoRA (--lora-rank), activation checkpointing, a shorter sequence or "
-              "micro-batch, or more memory.", file=out)
+        options = [] if plan["method"].startswith("LoRA") else ["LoRA (--lora-rank)"]
+        if not plan["training"]["activation_checkpointing"]:
+            options.append("activation checkpointing")
+        options += ["a shorter sequence or micro-batch", "or more memory"]
+        print(f"  Options: {', '.join(options)}.", file=out)
     if plan["bench_file"] is None:
         print("Bandwidths are stated defaults: run `python -m pagedoptim bench` to measure "
               "this machine.", file=out)
