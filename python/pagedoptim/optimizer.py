@@ -21,9 +21,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from pagedoptim import (compiled_step, paging, release_guard, sharded_params, state_format,
-                        torch_flags)
+                        state_plan, torch_flags)
 from pagedoptim._native import native
 from pagedoptim.checkpoint_algorithms import check_algorithm
+from pagedoptim.lifecycle import ClosedState, open_only
 from pagedoptim.options import PagingOptions
 from pagedoptim.param_state import ParamState, StateMap, where_written
 from pagedoptim.state_format import Moment, StreamSpec
@@ -59,6 +60,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._shard_layouts: dict[torch.Tensor, sharded_params.ShardLayout] = {}
         self._release_hooks: list[Any] = []
         self._released_this_round: set[int] = set()
+        self._closed = False
         if isinstance(params, (set, frozenset)):
             raise TypeError("params must be an ordered collection (a list, a generator, "
                             "named_parameters()), not a set: a set's order changes between "
@@ -67,8 +69,47 @@ class PagedOptimizer(torch.optim.Optimizer):
         self.state: StateMap = StateMap(self)
         # What can be known wrong before the first step is reported here, not there.
         paging.check_before_first_step(options, self._device)
+        self._check_page_file_fits()
         if options.release_grads:
             release_guard.watch(self)
+
+    def _check_page_file_fits(self) -> None:
+        if paging.resolve_offload(self._options, self._device) != "nvme" or self._device is None:
+            return
+        plan = state_plan.plan_state(self, self._device)
+        paging.check_page_file_fits(self._options, plan.num_pages * plan.page_bytes)
+
+    # -- lifecycle (pagedoptim/lifecycle.py) -----------------------------------------------
+
+    def close(self) -> None:
+        """Releases the state now: the page file (its descriptor, and so its disk space),
+        the io_uring ring and pinned buffers. Every later use of the optimizer raises;
+        closing again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        for handle in self._release_hooks:  # backward must no longer step a closed optimizer
+            handle.remove()
+        self._release_hooks.clear()
+        compiled_step.forget_plan(self)
+        self._slots.clear()
+        self.state = ClosedState(self)  # type: ignore[assignment]
+        # The last reference: the native destructors drain in-flight I/O, then close the
+        # ring and the page file's descriptor.
+        self._engine = None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "PagedOptimizer":
+        if self._closed:
+            raise RuntimeError(f"this {type(self).__name__} was closed: it cannot be entered "
+                               "as a context manager again")
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
 
     # -- what each optimizer provides ------------------------------------------------------
 
@@ -95,6 +136,7 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     # -- parameter groups ------------------------------------------------------------------
 
+    @open_only
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         params = param_group["params"]
         if isinstance(params, torch.Tensor):
@@ -177,6 +219,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                                  non_blocking=True).reshape(1)
         return amp
 
+    @open_only
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         if self._options.release_grads:
@@ -362,6 +405,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             return _KIND_WITH_RESIDUAL
         return _KIND_PLAIN
 
+    @open_only
     def _ensure_engine(self) -> Any:
         if self._engine is None:
             self._device = self._engine_device()
@@ -579,6 +623,7 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     # -- state_dict ------------------------------------------------------------------------
 
+    @open_only
     def state_dict(self) -> dict[str, Any]:
         """torch's state_dict, hooks included, with the page streams in each param's state
         (new tensors: a snapshot, unlike torch's references to the live state)."""
@@ -614,6 +659,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                 state_dict = result
         return state_dict
 
+    @open_only
     def torch_state_dict(self) -> dict[str, Any]:
         """This optimizer's state in torch.optim's format, loadable by the torch optimizer of
         the same algorithm: companded moments dequantized to fp32, master residuals dropped
@@ -641,6 +687,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             state_dict["state"][index] = converted
         return state_dict
 
+    @open_only
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load_state_dict, hooks included. Page streams in any format convert to
         this optimizer's; if anything in the state dict is wrong, nothing is changed."""
@@ -733,6 +780,7 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     # -- copies ----------------------------------------------------------------------------
 
+    @open_only
     def __getstate__(self) -> dict[str, Any]:
         self.state.sync()
         param_plain, hidden_steps, other = {}, {}, {}
@@ -779,6 +827,7 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     # -- reports ---------------------------------------------------------------------------
 
+    @open_only
     def memory_report(self) -> dict[str, Any]:
         """Exact bytes of parameters, gradients and optimizer state by kind, and per param.
 
@@ -835,6 +884,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             "total_bytes_per_param": (param_bytes + grad_bytes + state_bytes) / per_param,
         }
 
+    @open_only
     def paging_stats(self) -> dict[str, Any]:
         """The pager's counters since the state was created: hits, misses, hit_rate, bytes
         read and written per tier, stall_seconds (time the step waited for I/O), evictions,

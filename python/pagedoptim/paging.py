@@ -18,7 +18,9 @@ however it ends.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 import warnings
 from typing import Any, Iterator, Optional
 
@@ -172,6 +174,27 @@ def _check_cache_holds_a_page(options: PagingOptions) -> None:
                          "pages being stepped stay resident")
 
 
+def _page_file_dir(options: PagingOptions) -> tuple[str, str]:
+    """Where the page file goes (the native file tier's rule), and how errors name it."""
+    if options.nvme_dir is not None:
+        return os.fspath(options.nvme_dir), "nvme_dir"
+    return os.environ.get("TMPDIR") or "/tmp", "the default nvme_dir ($TMPDIR)"
+
+
+def check_page_file_fits(options: PagingOptions, page_file_bytes: int) -> None:
+    """Raises when the page file the state plan needs is larger than the free space of its
+    directory. The native tier then reserves the space (posix_fallocate) as the file grows
+    at the first step, so a full disk is reported here or there, never mid-step."""
+    directory, label = _page_file_dir(options)
+    free = shutil.disk_usage(directory).free
+    if page_file_bytes > free:
+        raise OSError(errno.ENOSPC,
+                      f"{label} {directory!r} has {free} bytes free, but the page file of this "
+                      f"optimizer's state needs {page_file_bytes} bytes: "
+                      f"{page_file_bytes - free} bytes are missing. Free space there, or point "
+                      "nvme_dir at a larger file system")
+
+
 def check_before_first_step(options: PagingOptions, device: Optional[torch.device]) -> None:
     """The paging settings that can be checked at construction: a cache that holds at least
     one page, the page file's directory (it must exist and be writable), and on a GPU a
@@ -179,9 +202,7 @@ def check_before_first_step(options: PagingOptions, device: Optional[torch.devic
     _check_cache_holds_a_page(options)
     offload = resolve_offload(options, device)
     if offload == "nvme":
-        directory = os.fspath(options.nvme_dir) if options.nvme_dir is not None else \
-            (os.environ.get("TMPDIR") or "/tmp")
-        label = "nvme_dir" if options.nvme_dir is not None else "the default nvme_dir ($TMPDIR)"
+        directory, label = _page_file_dir(options)
         if not os.path.isdir(directory):
             raise ValueError(f"{label} {directory!r} does not exist or is not a directory: the "
                              "page file goes there")

@@ -26,6 +26,7 @@ import torch
 from pagedoptim import sharded_params, state_format, torch_flags
 from pagedoptim._validation import check_betas, check_non_negative
 from pagedoptim.optimizer import LOW_PRECISION_DTYPES, PagedOptimizer
+from pagedoptim.lifecycle import open_only
 from pagedoptim.options import PagingOptions
 from pagedoptim.param_state import where_written
 from pagedoptim.state_format import Moment, StreamSpec
@@ -165,6 +166,7 @@ class SkewAdam(PagedOptimizer):
     def _group_hyperparameters(self, group: dict[str, Any]) -> tuple:
         return self._check_group(group)
 
+    @open_only
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
@@ -440,6 +442,7 @@ class SkewAdam(PagedOptimizer):
 
     # -- reports ---------------------------------------------------------------------------
 
+    @open_only
     def memory_report(self) -> dict[str, Any]:
         """The base report plus 'factor_bytes' (the row and column means), 'tiers' (per
         tier: params, elements, state bytes) and 'params' (per parameter name: tier, shape,
