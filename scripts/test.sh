@@ -21,9 +21,10 @@ echo "== C++ tests"
 core_build build/cpp
 ctest --test-dir build/cpp --output-on-failure -j "$JOBS"
 
-echo "== C++ tests under ASan + UBSan"
+echo "== C++ tests under ASan (with LeakSanitizer) + UBSan"
 core_build build/cpp-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DPAGEDOPTIM_SANITIZE=address;undefined"
-ctest --test-dir build/cpp-asan --output-on-failure -j "$JOBS"
+# LeakSanitizer runs with ASan here; said explicitly so that a leak always fails the run.
+ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1} ctest --test-dir build/cpp-asan --output-on-failure -j "$JOBS"
 
 # The io engines and the pager run threads of their own.
 echo "== C++ tests under TSan"

@@ -74,7 +74,10 @@ class PagedOptimizer(torch.optim.Optimizer):
             release_guard.watch(self)
 
     def _check_page_file_fits(self) -> None:
-        if paging.resolve_offload(self._options, self._device) != "nvme" or self._device is None:
+        # Meta params (`python -m pagedoptim plan` sizes a 70B model's state with them) never
+        # get a page file.
+        if self._device is None or self._device.type == "meta" \
+                or paging.resolve_offload(self._options, self._device) != "nvme":
             return
         plan = state_plan.plan_state(self, self._device)
         paging.check_page_file_fits(self._options, plan.num_pages * plan.page_bytes)
