@@ -33,9 +33,13 @@ export CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
 # Rebuild only when a native source or the build's own files changed since the last build
 # (the stamp is in build/). The editable install picks up Python changes without one.
 stamp=build/.pagedoptim-installed
+# Built and importable, and from this checkout: another clone's `pip install -e` (a CI run
+# of a fresh clone, say) takes the editable install over.
+installed_here='import os, sys, pagedoptim._C as c
+sys.exit(not os.path.realpath(c.__file__).startswith(os.path.realpath(sys.argv[1]) + os.sep))'
 if [ ! -f "$stamp" ] || [ -n "$(find CMakeLists.txt setup.py cmake csrc include -newer "$stamp" \
         \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.txt' -o -name '*.py' -o -name '*.cmake' \) \
-        -print -quit)" ] || ! "$PYTHON" -c "import pagedoptim._C" >/dev/null 2>&1; then
+        -print -quit)" ] || ! "$PYTHON" -c "$installed_here" "$PWD/python" >/dev/null 2>&1; then
   echo "setup: building pagedoptim"
   "$PYTHON" -m pip install -q --no-build-isolation --no-deps -e .
   mkdir -p build && touch "$stamp"
