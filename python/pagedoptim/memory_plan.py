@@ -67,7 +67,7 @@ def activation_bytes(dims: TransformerDims, shape: TrainingShape, dtype: torch.d
 
     With activation checkpointing each layer keeps only its input, and backward recomputes
     one layer at a time, which adds one layer's activations."""
-    element = torch.empty((), dtype=dtype).element_size()
+    element = dtype.itemsize
     h, kv = dims.hidden_size, dims.kv_dim
     mlp = 4 * dims.intermediate_size * dims.experts_per_token + dims.num_experts
     per_layer = element * (mlp + 6 * h + 2 * kv) + 4 * 2 * h
@@ -80,7 +80,7 @@ def activation_bytes(dims: TransformerDims, shape: TrainingShape, dtype: torch.d
 
 def loss_transient_bytes(dims: TransformerDims, shape: TrainingShape, dtype: torch.dtype) -> int:
     """The loss's backward holds the logits' gradient in float32 and in the model's dtype."""
-    element = torch.empty((), dtype=dtype).element_size()
+    element = dtype.itemsize
     return shape.seq_len * shape.micro_batch * dims.vocab_size * (4 + element)
 
 
@@ -100,16 +100,12 @@ class Params:
 
     @property
     def trainable_bytes(self) -> int:
-        return sum(math.prod(shape) * _element(dtype) for _, shape, dtype in self.trainable)
+        return sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in self.trainable)
 
     @property
     def largest_trainable_bytes(self) -> int:
-        return max((math.prod(shape) * _element(dtype) for _, shape, dtype in self.trainable),
+        return max((math.prod(shape) * dtype.itemsize for _, shape, dtype in self.trainable),
                    default=0)
-
-
-def _element(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _matches(module_name: str, targets: tuple[str, ...]) -> bool:
@@ -122,7 +118,7 @@ def trainable_params(spec: ModelSpec, method: Method, dtype: torch.dtype) -> Par
     """Full fine-tuning trains every param in `dtype`. LoRA freezes them and trains A [r, in]
     and B [out, r] per targeted linear layer, in float32: PEFT upcasts adapters of bf16 and
     fp16 layers (its autocast_adapter_dtype default)."""
-    all_bytes = spec.num_params * _element(dtype)
+    all_bytes = spec.num_params * dtype.itemsize
     if not method.is_lora:
         return Params([(name, shape, dtype) for name, shape in spec.params], 0)
     if not spec.linear_layers:

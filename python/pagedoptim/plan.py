@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import re
 import sys
 from typing import Any, Optional
 
@@ -28,10 +26,8 @@ import torch
 
 from pagedoptim import machine_profile, memory_plan, model_shapes
 from pagedoptim.memory_plan import Column, Method, Params, TrainingShape
+from pagedoptim.setting_text import parse_byte_size
 
-_DECIMAL = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
-_BINARY = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 # The smallest page cache plan recommends: MIN_CACHE_PAGES pages of 4 KiB would page too
 # often to be worth it; 64 MiB keeps steps from stalling on every page.
 _MIN_RECOMMENDED_CACHE = 64 << 20
@@ -43,14 +39,13 @@ _TORCH_NAMES = {"adamw": "torch.optim.AdamW", "sgd": "torch.optim.SGD", "lion": 
 
 
 def parse_size(text: str, flag: str) -> int:
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
-    unit = match.group(2) if match else None
-    if match is None or (unit not in _DECIMAL and unit not in _BINARY):
-        raise ValueError(f"{flag}: expected a size such as 24GiB, 80G or 500GB, got {text!r}")
-    size = float(match.group(1)) * _DECIMAL.get(unit, _BINARY.get(unit, 1))
-    if not math.isfinite(size) or size <= 0 or size > 2**60:
+    try:
+        size = parse_byte_size(str(text))
+    except ValueError as error:
+        raise ValueError(f"{flag}: {error}, got {text!r}") from None
+    if size <= 0 or size > 2**60:
         raise ValueError(f"{flag}: expected a size above 0 and below 1 EiB, got {text!r}")
-    return int(size)
+    return size
 
 
 def human(size: Optional[float]) -> str:

@@ -14,10 +14,11 @@ from typing import Any, Callable
 ON = ("1", "true", "yes", "on")
 OFF = ("0", "false", "no", "off")
 
-# Binary units are what memory is counted in; decimal ones are accepted with their SI
-# meaning rather than guessed to be binary.
+# Binary units are what memory is counted in (a bare K, M, G or T too, as in `free -g`);
+# decimal ones are accepted with their SI meaning rather than guessed to be binary.
 SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
-              "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+              "tib": 1 << 40, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+              "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _SIZE = re.compile(r"(\d+(?:\.\d*)?)\s*([a-z]*)")
 
 
