@@ -120,10 +120,6 @@ void TieredPageStore::plan(const std::vector<int32_t>& pages) {
   schedule_locked();
 }
 
-bool TieredPageStore::demanded_locked(int32_t page) const {
-  return std::find(demand_.begin(), demand_.end(), page) != demand_.end();
-}
-
 void TieredPageStore::schedule_locked() {
   if (stopping_) return;
   // Write-backs in flight each free one slot when they finish; a load that finds no slot
@@ -139,8 +135,12 @@ void TieredPageStore::schedule_locked() {
   PlanTracker& plan = cache_.plan();
   const int64_t end = std::min(plan.size(), plan.cursor() + prefetch_);
   for (int64_t position = plan.cursor(); position < end; ++position) {
+    // A demanded page had its turn above: asking again would claim a second slot for it
+    // (a second write-back whose slot nobody takes).
+    const int32_t page = plan.page_at(position);
+    if (std::find(demand_.begin(), demand_.end(), page) != demand_.end()) continue;
     // In plan order: a later page must not take the slot an earlier one waits for.
-    if (load_locked(plan.page_at(position), position, write_credit) == LoadResult::kBlocked) {
+    if (load_locked(page, position, write_credit) == LoadResult::kBlocked) {
       break;
     }
   }
@@ -194,7 +194,12 @@ TieredPageStore::LoadResult TieredPageStore::load_into_slot_locked(int32_t page,
   int32_t slot = cache_.take_free_slot();
   while (slot < 0) {
     const int32_t victim = cache_.find_victim(needed_at, /*dirty_allowed=*/!degraded_);
-    if (victim >= 0 && !cache_.meta(victim).dirty) {
+    // A write-back in flight frees a slot soon; a page the plan still needs, evicted now,
+    // is read again later in the step. Waiting is the cheaper of the two, and it keeps a
+    // step's traffic independent of how its I/O and its pins interleave.
+    const bool needed_later =
+        victim >= 0 && cache_.plan().next_use(victim) != kNeverUsed;
+    if (victim >= 0 && !cache_.meta(victim).dirty && !(needed_later && write_credit > 0)) {
       // Evicting a clean page is free. A page in a slot past the budget gives no slot
       // back, so the loop goes on evicting: that is how the cache shrinks to its budget
       // again after write-backs failed.
@@ -391,12 +396,11 @@ void TieredPageStore::complete_write_locked(int32_t page, int64_t result) {
     m.dirty = false;
     ++counters_.writes;
     counters_.bytes_written += page_bytes;
-    if (demanded_locked(page)) {
-      m.state = PageState::kResident;  // a pin wants it back: the eviction is called off
-    } else {
-      cache_.release_slot(page);
-      ++counters_.evictions;
-    }
+    // The page stays, clean: evicting it is now free, and the schedule that follows does so
+    // only if a load still wants the slot. A load may have found another slot meanwhile
+    // (another write-back finished first); evicting here regardless would throw away a page
+    // the next step finds resident, so a step's traffic would depend on I/O timing.
+    m.state = PageState::kResident;
     return;
   }
   // The write-back failed (or tore the tier copy): the slot keeps the only good copy, so

@@ -126,7 +126,6 @@ class TieredPageStore final : public PageStore {
   void complete_write_locked(int32_t page, int64_t result);
   void fail_in_flight_locked(int err);
   void finish_plan_locked(std::unique_lock<std::mutex>& lock);
-  bool demanded_locked(int32_t page) const;
   bool idle_locked() const;
   void submitter_loop();
   void reaper_loop();
