@@ -11,7 +11,9 @@
 // conversion otherwise.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "kernels/cpu/step_kernels.h"
 #include "pagedoptim/codec/float_convert.h"
@@ -61,6 +63,10 @@ struct PlainIo {
   inline float param(int64_t i) const { return Access::load(param_ptr, i); }
   inline float grad(int64_t i) const { return Access::load(grad_ptr, i); }
   inline void store(int64_t i, float value) const { Access::store(param_ptr, i, value); }
+  template <class Count>
+  inline void store_group(int64_t base, const float* PO_RESTRICT values, Count count) const {
+    for (int i = 0; i < count; ++i) Access::store(param_ptr, base + i, values[i]);
+  }
 };
 
 struct Bf16Master {
@@ -103,6 +109,21 @@ struct MasterIo {
   inline float grad(int64_t i) const { return Master::load_grad(grad_ptr[i]); }
   inline void store(int64_t i, float value) const {
     Master::template split<Residual>(value, param_ptr[i], residual_ptr[i]);
+  }
+  // Stores values[0, count) at base. The split goes to local arrays first: an int8 residual
+  // store may alias anything as far as GCC knows (restrict on members is not honoured), and
+  // that alone keeps the split loop scalar, at about 30 instructions per element.
+  template <class Count>
+  inline void store_group(int64_t base, const float* PO_RESTRICT values, Count count) const {
+    uint16_t params[kGroupSize];
+    Residual residuals[kGroupSize];
+    for (int i = 0; i < count; ++i) {
+      Master::template split<Residual>(values[i], params[i], residuals[i]);
+    }
+    // count is in (0, kGroupSize]; the clamp tells GCC so.
+    const size_t n = size_t(std::clamp(int(count), 0, kGroupSize));
+    std::memcpy(param_ptr + base, params, sizeof(uint16_t) * n);
+    std::memcpy(residual_ptr + base, residuals, sizeof(Residual) * n);
   }
 };
 

@@ -38,6 +38,22 @@ inline void for_each_group(int64_t n, const Body& body) {
 // ---------------------------------------------------------------------------------------------
 // AdamW
 
+// A group of second moments as the state keeps them and as the denominator sees them. The
+// two decodes differ only at code 0, whose denominator value is one constant per group, so
+// a select replaces the second decode (the same bits as
+// codec::decode_second_moment_for_denominator for every code).
+template <class Count>
+inline void decode_second_moments(const uint8_t* PO_RESTRICT codes, uint16_t scale_bits,
+                                  Count count, float* PO_RESTRICT values,
+                                  float* PO_RESTRICT denominators) {
+  const float scale = codec::fp16_to_float(scale_bits);
+  const float code_zero_denominator = codec::decode_second_moment_for_denominator(0, scale);
+  for (int i = 0; i < count; ++i) {
+    values[i] = codec::decode_second_moment(codes[i], scale);
+    denominators[i] = codes[i] == 0 ? code_zero_denominator : values[i];
+  }
+}
+
 template <class Io, bool kAmsgrad>
 void adamw_fp32_state(const ParamSpan& span, const AdamWStreams& st, const AdamWScalars& s) {
   const Io io(span, st.residual);
@@ -70,25 +86,23 @@ void adamw_8bit_state(const ParamSpan& span, const AdamWStreams& st, const AdamW
     float m[kGroupSize], v[kGroupSize], v_denominator[kGroupSize];
     float v_max[kGroupSize], v_max_denominator[kGroupSize];
     codec::decode_moment_group(m_codes + base, st.m.scales[group], count, m);
-    const float v_scale = codec::fp16_to_float(st.v.scales[group]);
-    for (int i = 0; i < count; ++i) {
-      v[i] = codec::decode_second_moment(v_codes[base + i], v_scale);
-      v_denominator[i] = codec::decode_second_moment_for_denominator(v_codes[base + i], v_scale);
-    }
+    decode_second_moments(v_codes + base, st.v.scales[group], count, v, v_denominator);
     if constexpr (kAmsgrad) {
-      const float v_max_scale = codec::fp16_to_float(st.v_max.scales[group]);
-      for (int i = 0; i < count; ++i) {
-        v_max[i] = codec::decode_second_moment(v_max_codes[base + i], v_max_scale);
-        v_max_denominator[i] =
-            codec::decode_second_moment_for_denominator(v_max_codes[base + i], v_max_scale);
-      }
+      decode_second_moments(v_max_codes + base, st.v_max.scales[group], count, v_max,
+                            v_max_denominator);
+    }
+    // Load, update and store in three loops: each is simple enough for GCC to vectorize,
+    // where one loop with a master residual's join and split inside it is not.
+    float p[kGroupSize], g[kGroupSize];
+    for (int i = 0; i < count; ++i) {
+      p[i] = io.param(base + i);
+      g[i] = io.grad(base + i);
     }
     for (int i = 0; i < count; ++i) {
-      float p = io.param(base + i);
-      codec::adamw_element<kAmsgrad>(p, io.grad(base + i), m[i], v[i], v_denominator[i],
-                                     v_max[i], v_max_denominator[i], s);
-      io.store(base + i, p);
+      codec::adamw_element<kAmsgrad>(p[i], g[i], m[i], v[i], v_denominator[i], v_max[i],
+                                     v_max_denominator[i], s);
     }
+    io.store_group(base, p, count);
     st.m.scales[group] = codec::encode_moment_group(m, count, m_codes + base);
     st.v.scales[group] = codec::encode_second_moment_group(v, count, v_codes + base);
     if constexpr (kAmsgrad) {
@@ -167,11 +181,13 @@ void momentum_8bit_state(const ParamSpan& span, const MomentumStreams& st,
     const int64_t group = base / kGroupSize;
     float m[kGroupSize];
     codec::decode_moment_group(codes + base, st.m.scales[group], count, m);
+    float p[kGroupSize], g[kGroupSize];  // three loops, as in adamw_8bit_state
     for (int i = 0; i < count; ++i) {
-      float p = io.param(base + i);
-      Rule::apply(p, io.grad(base + i), m[i], s);
-      io.store(base + i, p);
+      p[i] = io.param(base + i);
+      g[i] = io.grad(base + i);
     }
+    for (int i = 0; i < count; ++i) Rule::apply(p[i], g[i], m[i], s);
+    io.store_group(base, p, count);
     st.m.scales[group] = codec::encode_moment_group(m, count, codes + base);
   });
 }
