@@ -332,6 +332,8 @@ def _param_from_json(raw: dict[str, Any], position: int, where: str,
         if not isinstance(state, dict):
             raise CheckpointError(f"{where}: state must be a dict")
     hidden = _field(raw, "hidden_step", (float, None), where)
+    if hidden is not None and not -2.0 ** 63 < hidden < 2.0 ** 63:  # a JSON int may be huge
+        raise CheckpointError(f"{where}: hidden_step {hidden!r} is out of range")
     slots = tuple(_slot_from_json(slot, slot_where, record_bytes)
                   for slot_where, slot in _objects(raw, "slots", f"{where} slots"))
     return ParamEntry(_shape(_field(raw, "shape", list, where), where),
@@ -558,6 +560,9 @@ def iter_records(handle: BinaryIO, header: Header, buffer: memoryview
     """Yields each record's spec and its verified payload (a view into `buffer`, valid until
     the next record; `buffer` must hold max_payload_bytes(header)), then checks the footer
     and the end of the file. `handle` is positioned after the header."""
+    if len(buffer) < max_payload_bytes(header):
+        raise ValueError(f"buffer holds {len(buffer)} bytes; the records need "
+                         f"{max_payload_bytes(header)}")
     records = payload_total = chain = 0
     remaining = _remaining(handle)
     for number, spec in enumerate(expected_records(header)):

@@ -129,6 +129,12 @@ def verify(path: PathLike) -> Header:
     return header
 
 
+def _is_step_count(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _check_matches(opt: Any, header: Header, path: pathlib.Path) -> None:
     """What the header says must fit this optimizer before anything is loaded."""
     name = type(opt).__name__
@@ -168,6 +174,11 @@ def _check_matches(opt: Any, header: Header, path: pathlib.Path) -> None:
                 entry.alias_of is not None and entry.alias_of != alias):
             raise ValueError(f"{path}: param {position} is given twice in one optimizer but "
                              "not in the other")
+    for position, entry in enumerate(header.params):
+        step = (entry.state or {}).get("step")
+        if step is not None and not _is_step_count(step):
+            raise CheckpointError(f"{path}: the step of param {position} is {step!r}, not a "
+                                  "number or a one-element real tensor")
     for index, saved in enumerate(header.param_groups):
         positions = saved["params"]
         ours_positions = [first_position[id(p)] for p in groups[index]["params"]]

@@ -500,3 +500,15 @@ def test_a_checkpoint_takes_a_few_pages_of_memory_however_large_the_state(tmp_pa
     # Load into a fresh optimizer: its engine's 16-page cache, the record buffer, and the
     # engine's own start (io ring, tables): under 32 pages (about 22 measured).
     assert measured["load"] < 32 * page, measured
+
+
+def test_a_well_formed_file_with_a_step_that_is_no_count_is_refused(tmp_path):
+    params, opt, path = saved(tmp_path)
+    before = snapshot(opt)
+    data, length, _ = layout(path)
+    path.write_bytes(rewrite_header(data, length,
+                                    lambda h: h["params"][0]["state"].update(step=[1, 2])))
+    checkpoint_stream.verify(path)  # well-formed: the reader does not interpret state
+    with pytest.raises(po.CheckpointError, match=r"the step of param 0 is \[1, 2\]"):
+        opt.load_checkpoint(path)
+    assert_unchanged(opt, before, params)
