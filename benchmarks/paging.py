@@ -5,6 +5,7 @@ same run), and the hit rate of the eviction policies. One JSON line per result.
     python benchmarks/paging.py                       # step + bandwidth + hit-rate table
     python benchmarks/paging.py --state-mib 2048      # a bigger state (4x the cache)
     python benchmarks/paging.py --large --large-params 2e9   # 8-bit AdamW, 4 GiB cache
+    python benchmarks/paging.py --large --checkpoint          # + a streaming checkpoint of it
 
 `--dir` is where the page file and the bandwidth probe's scratch file go (default: $TMPDIR
 or /tmp); it should be the disk under test. The large mode needs about 3.1 B/param on disk
@@ -20,6 +21,7 @@ import os
 import resource
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -149,8 +151,71 @@ def hit_rate_table(args) -> None:
                   "optimum": significant(int(fraction * pages) / opt.paging_stats()["num_pages"])})
 
 
+def current_rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRss:
+    """The highest RSS a sampling thread sees while the block runs (every ~1 ms)."""
+
+    def __enter__(self) -> "PeakRss":
+        gc.collect()
+        self.before = self.peak = current_rss()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.001):
+            self.peak = max(self.peak, current_rss())
+
+    def __exit__(self, *exc_info) -> None:
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, current_rss())
+
+
+def checkpoint_benchmark(opt, args, disk: dict) -> None:
+    """save_checkpoint of the large run's state, then load_checkpoint of it back into the
+    same optimizer (staged into a second engine, so the disk holds the page file twice for
+    a while): seconds, GB/s, the disk's own rates from the probe, and the RSS they add."""
+    path = Path(args.dir) / "paging-large.ckpt"
+    state_bytes = opt.memory_report()["state_bytes"]
+    read_bw, write_bw = disk["read_gb_per_s"] * 1e9, disk["write_gb_per_s"] * 1e9
+    try:
+        with PeakRss() as rss:
+            start = time.perf_counter()
+            opt.save_checkpoint(path)
+            seconds = time.perf_counter() - start
+        size = path.stat().st_size
+        # The state comes from the page file and goes to the checkpoint, on one disk.
+        limit_s = state_bytes / read_bw + size / write_bw
+        emit({"bench": "checkpoint_save", "state_bytes": state_bytes, "checkpoint_bytes": size,
+              "seconds": significant(seconds), "gb_per_s": significant(size / seconds / 1e9),
+              "disk_read_gb_per_s": significant(read_bw / 1e9),
+              "disk_write_gb_per_s": significant(write_bw / 1e9),
+              "disk_limit_s_serial": significant(limit_s),
+              "fraction_of_disk_limit_serial": significant(limit_s / seconds),
+              "rss_before_bytes": rss.before, "peak_rss_bytes": rss.peak,
+              "rss_rise_bytes": rss.peak - rss.before})
+        with PeakRss() as rss:
+            start = time.perf_counter()
+            opt.load_checkpoint(path)
+            seconds = time.perf_counter() - start
+        emit({"bench": "checkpoint_load", "state_bytes": state_bytes, "checkpoint_bytes": size,
+              "seconds": significant(seconds), "gb_per_s": significant(size / seconds / 1e9),
+              "rss_before_bytes": rss.before, "peak_rss_bytes": rss.peak,
+              "rss_rise_bytes": rss.peak - rss.before,
+              "cache_bytes": opt.paging_stats()["cache_bytes"]})
+    finally:
+        path.unlink(missing_ok=True)
+
+
 def large_run(args) -> None:
-    """8-bit AdamW with the split master weight over --large-params bf16 params, 4 GiB cache."""
+    """8-bit AdamW with the split master weight over --large-params bf16 params, 4 GiB cache;
+    with --checkpoint, then a streaming checkpoint of its state."""
     numel = int(float(args.large_params))
     chunk = 1 << 27  # 134M-element tensors, like a few transformer layers each
     sizes = [chunk] * (numel // chunk) + ([numel % chunk] if numel % chunk else [])
@@ -173,6 +238,10 @@ def large_run(args) -> None:
               "disk_gb_per_s": significant((read + written) / seconds / 1e9),
               "stall_s": significant(stats["stall_seconds"]),
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
+    if args.checkpoint:
+        for p in params:  # a checkpoint is taken after the step, without gradients
+            p.grad = None
+        checkpoint_benchmark(opt, args, disk_bandwidth(args.dir, 1 << 30))
 
 
 def main() -> None:
@@ -189,6 +258,8 @@ def main() -> None:
     parser.add_argument("--large-params", default="2e9")
     parser.add_argument("--large-cache-gib", type=float, default=4.0)
     parser.add_argument("--large-steps", type=int, default=2)
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="with --large: save_checkpoint / load_checkpoint of its state")
     args = parser.parse_args()
 
     before = disk_bandwidth(args.dir, 1 << 30)

@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "kernels/cpu/step_kernels.h"
+#include "pagedoptim/io/crc32c.h"
 
 #ifdef PAGEDOPTIM_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -28,6 +29,18 @@ PYBIND11_MODULE(_C, m) {
         "Whether this build has the CUDA kernels (params on a GPU can be stepped).");
   m.def("cuda_version", [] { return 0; }, "0: this build has no CUDA kernels.");
 #endif
+  m.def("crc32c",
+        [](const pybind11::buffer& data, uint32_t crc) {
+          const pybind11::buffer_info info = data.request();
+          TORCH_CHECK_VALUE(info.ndim <= 1 && (info.ndim == 0 || info.strides[0] == info.itemsize),
+                            "crc32c takes a contiguous buffer");
+          const size_t size = size_t(info.size) * size_t(info.itemsize);
+          pybind11::gil_scoped_release no_gil;
+          return pagedoptim::io::crc32c(info.ptr, size, crc);
+        },
+        pybind11::arg("data"), pybind11::arg("crc") = 0,
+        "crc32c (Castagnoli) of a contiguous buffer's bytes, continuing `crc`: the page "
+        "checksum, also the checkpoint records' (pagedoptim/checkpoint_stream.py).");
   m.def("cpu_isa", [] { return std::string(pagedoptim::kernels::cpu_kernels().isa); },
         "The ISA of the CPU kernels chosen for this machine.");
 }

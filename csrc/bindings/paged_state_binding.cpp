@@ -118,6 +118,25 @@ std::vector<optim::ParamStep> to_param_steps(const std::vector<at::Tensor>& para
   return out;
 }
 
+// PagedState::read_stream_range / write_stream_range over a host byte tensor: the whole
+// tensor is the range. A range outside the stream is std::out_of_range: IndexError.
+template <bool kIntoPages>
+auto stream_range_copy() {
+  return [](PagedState& s, int32_t slot, const std::string& stream, int64_t offset,
+            const at::Tensor& buffer) {
+    TORCH_CHECK_VALUE(buffer.device().is_cpu() && buffer.scalar_type() == at::kByte &&
+                          buffer.is_contiguous(),
+                      kIntoPages ? "bytes" : "out", " for stream ", stream, " of slot ", slot,
+                      " must be a contiguous uint8 cpu tensor");
+    pybind11::gil_scoped_release no_gil;
+    if constexpr (kIntoPages) {
+      s.write_stream_range(slot, stream, offset, buffer.numel(), buffer.data_ptr());
+    } else {
+      s.read_stream_range(slot, stream, offset, buffer.numel(), buffer.data_ptr());
+    }
+  };
+}
+
 using OptionalTensor = std::optional<at::Tensor>;
 
 // The device of the state's pages: -1 for host memory, else the CUDA device index.
@@ -391,6 +410,14 @@ void bind_paged_state(pybind11::module_& m) {
              s.write_stream(slot, stream, bytes.data_ptr());
            },
            py::arg("slot"), py::arg("stream"), py::arg("bytes"))
+      .def("read_stream_range", stream_range_copy</*into_pages=*/false>(), py::arg("slot"),
+           py::arg("stream"), py::arg("offset"), py::arg("out"),
+           "Fills `out` with the stream's bytes from byte `offset` on; pins only the pages "
+           "of that range, one at a time (checkpoints of state larger than memory).")
+      .def("write_stream_range", stream_range_copy</*into_pages=*/true>(), py::arg("slot"),
+           py::arg("stream"), py::arg("offset"), py::arg("bytes"),
+           "Writes `bytes` into the stream from byte `offset` on (the inverse of "
+           "read_stream_range).")
       .def("stream_bytes", &PagedState::stream_bytes, py::arg("slot"), py::arg("stream"),
            "Bytes the stream of the parameter in `slot` holds (its payload, no padding).")
       .def("memory_usage",

@@ -415,30 +415,59 @@ int64_t PagedState::stream_bytes(int32_t slot, const std::string& stream) const 
   return bytes;
 }
 
-void PagedState::read_stream(int32_t slot, const std::string& stream, void* out) {
+void PagedState::for_each_piece_of_range(int32_t slot, const std::string& stream,
+                                         int64_t offset, int64_t bytes,
+                                         const PieceCopy& copy) const {
   const int index = find_stream_of(slot, stream);
+  const int64_t total = stream_bytes(slot, stream);
+  if (offset < 0 || bytes < 0 || offset > total || bytes > total - offset) {
+    throw std::out_of_range("bytes [" + std::to_string(offset) + ", " +
+                            std::to_string(offset) + " + " + std::to_string(bytes) +
+                            ") are not inside stream '" + stream + "' of parameter slot " +
+                            std::to_string(slot) + " (" + std::to_string(total) + " bytes)");
+  }
   const int kind = table_.param(slot).kind;
   const paging::StreamSpec& spec = table_.geometry(kind).streams()[size_t(index)];
-  char* cursor = static_cast<char*>(out);
+  // The stream's bytes in element order are its pieces' bytes one after the other.
+  int64_t piece_begin = 0;
   for (const paging::PagePiece& piece : table_.param(slot).pieces) {
+    if (piece_begin >= offset + bytes) break;
     const paging::Segment& segment = table_.segment(piece);
-    const int64_t bytes = spec.bytes_for(segment.count);
-    store_->read_bytes(piece.page, stream_offset(kind, index, segment, 0), cursor, bytes);
-    cursor += bytes;
+    const int64_t piece_end = piece_begin + spec.bytes_for(segment.count);
+    const int64_t first = std::max(offset, piece_begin);
+    const int64_t last = std::min(offset + bytes, piece_end);
+    if (first < last) {
+      copy(piece.page, stream_offset(kind, index, segment, 0) + (first - piece_begin),
+           first - offset, last - first);
+    }
+    piece_begin = piece_end;
   }
 }
 
+void PagedState::read_stream_range(int32_t slot, const std::string& stream, int64_t offset,
+                                   int64_t bytes, void* out) {
+  char* base = static_cast<char*>(out);
+  for_each_piece_of_range(slot, stream, offset, bytes,
+                          [&](int32_t page, int64_t page_offset, int64_t at, int64_t n) {
+                            store_->read_bytes(page, page_offset, base + at, n);
+                          });
+}
+
+void PagedState::write_stream_range(int32_t slot, const std::string& stream, int64_t offset,
+                                    int64_t bytes, const void* in) {
+  const char* base = static_cast<const char*>(in);
+  for_each_piece_of_range(slot, stream, offset, bytes,
+                          [&](int32_t page, int64_t page_offset, int64_t at, int64_t n) {
+                            store_->write_bytes(page, page_offset, base + at, n);
+                          });
+}
+
+void PagedState::read_stream(int32_t slot, const std::string& stream, void* out) {
+  read_stream_range(slot, stream, 0, stream_bytes(slot, stream), out);
+}
+
 void PagedState::write_stream(int32_t slot, const std::string& stream, const void* in) {
-  const int index = find_stream_of(slot, stream);
-  const int kind = table_.param(slot).kind;
-  const paging::StreamSpec& spec = table_.geometry(kind).streams()[size_t(index)];
-  const char* cursor = static_cast<const char*>(in);
-  for (const paging::PagePiece& piece : table_.param(slot).pieces) {
-    const paging::Segment& segment = table_.segment(piece);
-    const int64_t bytes = spec.bytes_for(segment.count);
-    store_->write_bytes(piece.page, stream_offset(kind, index, segment, 0), cursor, bytes);
-    cursor += bytes;
-  }
+  write_stream_range(slot, stream, 0, stream_bytes(slot, stream), in);
 }
 
 MemoryUsage PagedState::memory_usage() const {

@@ -32,16 +32,14 @@ wrong INPUT or --to is noticed, and a script that only needs the format can acce
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import sys
-import tempfile
 from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
 
-from pagedoptim import checkpoint_algorithms, checkpoint_conversion
+from pagedoptim import atomic_file, checkpoint_algorithms, checkpoint_conversion
 from pagedoptim.checkpoint_conversion import AlreadyInTargetFormat
 
 EXIT_ERROR = 1
@@ -158,27 +156,14 @@ def resolve_algorithm(state_dict: Mapping[str, Any], given: Optional[str],
 
 
 def save_atomically(obj: Any, path: pathlib.Path) -> None:
-    """torch.save(obj, path), all or nothing: the bytes go to a temporary file in the same
-    directory (so the rename cannot cross file systems), are flushed to disk, and only then
-    replace `path`."""
+    """torch.save(obj, path), all or nothing (pagedoptim/atomic_file.py): the bytes go to a
+    temporary file in the same directory, are flushed to disk, and only then replace
+    `path`."""
     directory = path.parent
     if not directory.is_dir():
         raise ConvertError(f"OUTPUT {path}: directory {directory} does not exist")
     try:
-        handle = tempfile.NamedTemporaryFile(dir=directory, prefix=f".{path.name}.",
-                                             suffix=".tmp", delete=False)
-        try:
-            with handle:
-                torch.save(obj, handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            # The temporary file is private (0600); give OUTPUT the mode a new file gets.
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(handle.name, 0o666 & ~umask)
-            os.replace(handle.name, path)
-        except BaseException:
-            os.unlink(handle.name)
-            raise
+        with atomic_file.atomic_write(path) as handle:
+            torch.save(obj, handle)
     except OSError as error:
         raise ConvertError(f"OUTPUT {path} could not be written: {error}") from error

@@ -20,8 +20,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from pagedoptim import (compiled_step, paging, release_guard, sharded_params, state_format,
-                        state_plan, torch_flags)
+from pagedoptim import (checkpoint_stream, compiled_step, paging, release_guard, sharded_params,
+                        state_format, state_plan, torch_flags)
 from pagedoptim._native import native
 from pagedoptim.checkpoint_algorithms import check_algorithm
 from pagedoptim.lifecycle import ClosedState, open_only
@@ -727,16 +727,8 @@ class PagedOptimizer(torch.optim.Optimizer):
                             torch.optim.Optimizer._process_value_according_to_param_policy(
                                 p, v, key, state_dict["param_groups"], k))
                         for k, v in value.items() if k not in stream_names}
-        param_groups = []
-        for group, saved in zip(groups, saved_groups):
-            saved["params"] = group["params"]
-            if "param_names" in group and "param_names" not in saved:
-                saved["param_names"] = group["param_names"]
-            for name, default in self.defaults.items():
-                saved.setdefault(name, default)
-            torch_flags.normalize_loaded_group(saved, self.defaults)
-            self._group_hyperparameters(saved)  # a bad hyperparameter raises here
-            param_groups.append(saved)
+        param_groups = [self._loaded_group(group, saved)
+                        for group, saved in zip(groups, saved_groups)]
         before = dict(self.__dict__)
         try:
             self.param_groups = param_groups
@@ -755,8 +747,61 @@ class PagedOptimizer(torch.optim.Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
+    def _loaded_group(self, group: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
+        """A saved param group (a copy, changed here) over the params of our `group`, with
+        the defaults of keys it lacks; a bad hyperparameter raises."""
+        saved["params"] = group["params"]
+        if "param_names" in group and "param_names" not in saved:
+            saved["param_names"] = group["param_names"]
+        for name, default in self.defaults.items():
+            saved.setdefault(name, default)
+        torch_flags.normalize_loaded_group(saved, self.defaults)
+        self._group_hyperparameters(saved)
+        return saved
+
     def _on_groups_loaded(self) -> None:
         """New param_groups replaced the old ones (subclasses drop what they derived)."""
+
+    # -- streaming checkpoints (pagedoptim/checkpoint_stream.py) ---------------------------
+
+    @open_only
+    def save_checkpoint(self, path: Any) -> None:
+        """Writes the whole optimizer state to the file `path`, page by page: state larger
+        than memory (paged to NVMe) can be saved, where state_dict() would gather it all.
+
+        The file (docs/checkpoint_format.md) holds the param_groups, every param's step and
+        other plain state, and the page streams as checksummed records of about one page.
+        Memory beyond the page cache: one record buffer of the page size (page_bytes) and
+        the header. The write is atomic: a temporary file in the same directory, fsynced,
+        renamed over `path`, the directory fsynced; a crash leaves `path` as it was.
+        Hooks of state_dict() do not run."""
+        checkpoint_stream.save(self, path)
+
+    @open_only
+    def load_checkpoint(self, path: Any) -> None:
+        """Loads a file written by save_checkpoint into this optimizer, page by page; it
+        may use other paging settings (offload, page_bytes, cache_bytes) than the saver,
+        but the same stream format (state_bits, master_bits: else ValueError, convert
+        through state_dict()). Every header field and record checksum is checked; a
+        foreign, truncated or corrupted file raises pagedoptim.CheckpointError (a
+        ValueError) naming the file and the record. The state is loaded into a new engine
+        and replaces the old one only when all of it checked out: on any error the
+        optimizer is left exactly as it was. Memory beyond the new engine's page cache:
+        one record buffer; an optimizer that had state keeps its old engine (its cache
+        and page file) until the load is done. Hooks of load_state_dict() do not run."""
+        checkpoint_stream.load(self, path)
+
+    def _checkpoint_slots(self, p: torch.Tensor) -> list[tuple[str, int, int, list[StreamSpec]]]:
+        """(role, engine slot, elements, streams) of each slot holding p's paged state."""
+        slot = self._slots.get(p, -1)
+        if self._engine is None or slot < 0:
+            return []
+        return [("state", slot, _state_numel(p), self._streams_of(p))]
+
+    def _forget_engine(self) -> None:
+        """Drops the references to the engine and its slots (a load builds a new one)."""
+        self._engine = None
+        self._slots = {}
 
     def _load_plain_state(self, p: torch.Tensor, entries: dict[Any, Any],
                           has_streams: bool) -> None:

@@ -407,6 +407,18 @@ class SkewAdam(PagedOptimizer):
     def _on_groups_loaded(self) -> None:
         self._layouts = None
 
+    def _checkpoint_slots(self, p: torch.Tensor) -> list[tuple[str, int, int, list[StreamSpec]]]:
+        slots = super()._checkpoint_slots(p)
+        factor_slot = self._factor_slots.get(p, -1) if self._engine is not None else -1
+        if factor_slot >= 0:
+            slots.append(("factors", factor_slot, self._layout(p).factor_numel,
+                          self._kinds[_FACTOR_KIND]))
+        return slots
+
+    def _forget_engine(self) -> None:
+        super()._forget_engine()
+        self._factor_slots = {}
+
     def _scatter_streams(self, streams: dict[int, dict[str, torch.Tensor]]) -> None:
         self._factor_slots = {}
         self._layouts = None

@@ -116,6 +116,14 @@ class PagedState {
   void read_stream(int32_t slot, const std::string& stream, void* out);
   void write_stream(int32_t slot, const std::string& stream, const void* in);
   int64_t stream_bytes(int32_t slot, const std::string& stream) const;
+  // The same for `bytes` bytes from byte `offset` of the stream (checkpoints stream state
+  // larger than memory through these): only the pages holding that range are pinned, one
+  // at a time, so a call holds no more than the caller's buffer. Throws std::out_of_range
+  // when the range is not inside the stream.
+  void read_stream_range(int32_t slot, const std::string& stream, int64_t offset,
+                         int64_t bytes, void* out);
+  void write_stream_range(int32_t slot, const std::string& stream, int64_t offset,
+                          int64_t bytes, const void* in);
 
   // Whether the table steps may use the vector bodies for rows aligned for them (default
   // on; off runs every row one element per lane, for comparisons).
@@ -167,6 +175,12 @@ class PagedState {
   // order, in the runner's memory) with the runner's copy, so no host code touches page bytes.
   void copy_stream_with(TableRunner& runner, int32_t slot, const std::string& stream,
                         void* buffer, bool into_pages);
+  // Calls copy(page, offset in the page, offset in the range, bytes) for each piece of the
+  // byte range [offset, offset + bytes) of stream `stream` of `slot`, in element order.
+  using PieceCopy = std::function<void(int32_t page, int64_t page_offset, int64_t range_offset,
+                                       int64_t bytes)>;
+  void for_each_piece_of_range(int32_t slot, const std::string& stream, int64_t offset,
+                               int64_t bytes, const PieceCopy& copy) const;
 
   // Stream `stream` (an index into the kind's streams, -1 for none) of element `begin` of
   // `segment`, inside the resident `page` of kind `kind`; nullptr for stream -1.

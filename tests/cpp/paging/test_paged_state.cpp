@@ -3,6 +3,7 @@
 // read/write round trip that state_dict() relies on.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -163,6 +164,87 @@ TEST(PagedState, StreamsRoundTripThroughPages) {
   EXPECT_EQ(state->stream_bytes(a, "exp_avg"), 700 * 4);
   EXPECT_THROW(state->read_stream(2, "exp_avg", out.data()), std::out_of_range);
   EXPECT_THROW(state->read_stream(a, "momentum_buffer", out.data()), std::out_of_range);
+}
+
+// A host store that records which pages are pinned, to see that a byte range touches only
+// its own pages, one at a time.
+class PinRecordingStore final : public paging::PageStore {
+ public:
+  explicit PinRecordingStore(int64_t page_bytes) : inner_(page_bytes) {}
+  void grow(int32_t num_pages) override { inner_.grow(num_pages); }
+  std::byte* pin(int32_t page) override {
+    pinned.push_back(page);
+    ++held;
+    max_held = std::max(max_held, held);
+    return inner_.pin(page);
+  }
+  void unpin(int32_t page, bool dirty) override {
+    --held;
+    inner_.unpin(page, dirty);
+  }
+  int32_t num_pages() const override { return inner_.num_pages(); }
+  int64_t page_bytes() const override { return inner_.page_bytes(); }
+  int64_t resident_bytes() const override { return inner_.resident_bytes(); }
+
+  std::vector<int32_t> pinned;
+  int held = 0;
+  int max_held = 0;
+
+ private:
+  paging::HostPageStore inner_;
+};
+
+TEST(PagedState, ByteRangesOfAStreamTouchOnlyTheirPages) {
+  auto store = std::make_unique<PinRecordingStore>(4096);
+  PinRecordingStore* pins = store.get();
+  // exp_avg_codes (1 B/element) and exp_avg_scales (2 B per group of 32): a 4 KiB page
+  // holds under 4096 elements, so 10000 elements span 3 pages or more.
+  PagedState state(OptimizerKind::kLion,
+                   {{{"exp_avg_codes", 32, false}, {"exp_avg_scales", 2, true}}},
+                   std::move(store));
+  const int32_t before = state.register_param(100);  // shares the first page
+  const int32_t slot = state.register_param(10000);
+  const int64_t total = state.stream_bytes(slot, "exp_avg_codes");
+  ASSERT_EQ(total, 10000);
+  std::vector<uint8_t> whole(static_cast<size_t>(total));
+  for (size_t i = 0; i < whole.size(); ++i) whole[i] = uint8_t(i * 7 + 3);
+  // Written in odd-sized ranges that straddle page boundaries, read back in others.
+  for (int64_t offset = 0; offset < total; offset += 777) {
+    const int64_t bytes = std::min<int64_t>(777, total - offset);
+    state.write_stream_range(slot, "exp_avg_codes", offset, bytes, whole.data() + offset);
+  }
+  std::vector<uint8_t> out(static_cast<size_t>(total), 0);
+  state.read_stream(slot, "exp_avg_codes", out.data());
+  EXPECT_EQ(out, whole);
+  pins->pinned.clear();
+  std::vector<uint8_t> part(100);
+  state.read_stream_range(slot, "exp_avg_codes", 9000, 100, part.data());
+  EXPECT_EQ(part, std::vector<uint8_t>(whole.begin() + 9000, whole.begin() + 9100));
+  // Only the page of the stream's last piece: the range's 100 bytes sit at its end (the
+  // table may pack that tail into a shared page, so it is asked, not assumed).
+  const auto& pieces = state.table().param(slot).pieces;
+  ASSERT_GE(pieces.size(), 3u);
+  ASSERT_GE(state.table().segment(pieces.back()).count, 1000);
+  EXPECT_EQ(pins->pinned, std::vector<int32_t>{pieces.back().page});
+  EXPECT_EQ(pins->max_held, 1);
+  // Scales: one fp16 per group; a range of them reads as the flat stream does.
+  const int64_t scale_bytes = state.stream_bytes(slot, "exp_avg_scales");
+  EXPECT_EQ(scale_bytes, (10000 + 31) / 32 * 2);
+  std::vector<uint8_t> scales(static_cast<size_t>(scale_bytes));
+  std::vector<uint8_t> again(static_cast<size_t>(scale_bytes));
+  for (size_t i = 0; i < scales.size(); ++i) scales[i] = uint8_t(i);
+  state.write_stream(slot, "exp_avg_scales", scales.data());
+  state.read_stream_range(slot, "exp_avg_scales", 0, 250, again.data());
+  state.read_stream_range(slot, "exp_avg_scales", 250, scale_bytes - 250, again.data() + 250);
+  EXPECT_EQ(again, scales);
+  std::vector<uint8_t> untouched(100, 1);
+  state.read_stream(before, "exp_avg_codes", untouched.data());
+  EXPECT_EQ(untouched, std::vector<uint8_t>(100, 0));
+  EXPECT_THROW(state.read_stream_range(slot, "exp_avg_codes", total - 5, 6, out.data()),
+               std::out_of_range);
+  EXPECT_THROW(state.read_stream_range(slot, "exp_avg_codes", -1, 1, out.data()),
+               std::out_of_range);
+  EXPECT_NO_THROW(state.read_stream_range(slot, "exp_avg_codes", total, 0, out.data()));
 }
 
 TEST(PagedState, RejectsMismatchedParams) {
