@@ -1,6 +1,7 @@
 """PagedOptim: drop-in PyTorch optimizers with compressed, paged optimizer state."""
 
 from pagedoptim.adamw import AdamW
+from pagedoptim.interrupted_step import InterruptedStepError
 from pagedoptim.lion import Lion
 from pagedoptim.optimizer import PagedOptimizer
 from pagedoptim.paging import PageCorruptionError, PageIOError
@@ -9,8 +10,8 @@ from pagedoptim.sgd import SGD
 from pagedoptim.skewadam import SkewAdam
 from pagedoptim.wrap import wrap
 
-__all__ = ["AdamW", "Lion", "PageCorruptionError", "PageIOError", "PagedOptimizer", "SGD",
-           "SkewAdam", "patch", "unpatch", "wrap"]
+__all__ = ["AdamW", "InterruptedStepError", "Lion", "PageCorruptionError", "PageIOError",
+           "PagedOptimizer", "SGD", "SkewAdam", "patch", "unpatch", "wrap"]
 __version__ = "0.1.0"
 
 
