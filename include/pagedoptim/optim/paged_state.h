@@ -141,7 +141,10 @@ class PagedState {
   // not flip, and only the pages not yet applied are stepped) or follow
   // discard_interrupted_step(). A fresh step over an unfinished journal throws.
   std::optional<InterruptedStep> interrupted_step() const;
-  void discard_interrupted_step() { journal_.reset(); }
+  void discard_interrupted_step() {
+    journal_.reset();
+    resume_requested_ = false;  // a resume asked for by a call that failed before it began
+  }
   // The next step call finishes the interrupted step instead of starting a new one.
   void resume_next_step() { resume_requested_ = true; }
   void set_batch_boundary_hook(BatchBoundaryHook hook) { batch_hook_ = std::move(hook); }

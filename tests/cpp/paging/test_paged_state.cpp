@@ -483,6 +483,9 @@ TEST(PagedStateJournal, AResumeMustMatchAndADiscardAcceptsTheHalfStep) {
   EXPECT_EQ(run.steps[0], step_before);  // refused before anything changed
   run.state->discard_interrupted_step();
   EXPECT_FALSE(run.state->interrupted_step().has_value());
+  // A resume asked for and never begun (its call failed its checks) goes with the discard.
+  run.state->resume_next_step();
+  run.state->discard_interrupted_step();
   run.step();  // a new step
   EXPECT_EQ(run.steps[0], step_before + 1.0f);
 }
