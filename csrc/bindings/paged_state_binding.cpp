@@ -6,6 +6,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <csignal>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -314,6 +315,24 @@ void step_skewadam(optim::PagedState& state, const std::vector<at::Tensor>& para
   state.step_skewadam(skew_steps, group_values, torch_parallel_for());
 }
 
+// The hook every PagedState made here runs between two batches of a step: the step runs
+// without the GIL, so a Ctrl-C would otherwise be seen only after the whole step. It takes
+// the GIL for a moment and lets Python run its signal handlers; the KeyboardInterrupt (or
+// whatever a handler raised) interrupts the step at this batch boundary, journaled.
+// `sigint_before_batch` >= 0 (tests) first raises SIGINT in the process before that batch,
+// once: a Ctrl-C that arrives exactly there.
+optim::BatchBoundaryHook signal_checking_hook(int64_t sigint_before_batch = -1) {
+  auto armed = std::make_shared<int64_t>(sigint_before_batch);
+  return [armed](size_t next_batch) {
+    if (*armed >= 0 && size_t(*armed) == next_batch) {
+      *armed = -1;
+      std::raise(SIGINT);
+    }
+    py::gil_scoped_acquire gil;
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+  };
+}
+
 }  // namespace
 
 void bind_paged_state(pybind11::module_& m) {
@@ -326,9 +345,11 @@ void bind_paged_state(pybind11::module_& m) {
              TORCH_CHECK_VALUE(page_bytes > 0 && page_bytes % 4096 == 0,
                                "page_bytes must be a positive multiple of 4096, got ",
                                page_bytes);
-             return std::make_unique<PagedState>(
+             auto state = std::make_unique<PagedState>(
                  parse_kind(kind), to_stream_specs(kinds),
                  make_store(store, page_bytes, parse_device(device)));
+             state->set_batch_boundary_hook(signal_checking_hook());
+             return state;
            }),
            py::arg("kind"), py::arg("kinds"), py::arg("page_bytes"), py::arg("store") = py::none(),
            py::arg("device") = "cpu",
@@ -344,6 +365,33 @@ void bind_paged_state(pybind11::module_& m) {
       .def("paging_stats", [](PagedState& s) { return paging_stats(s.store()); },
            "Pager counters: hits, misses, bytes per tier, stall seconds, io backend.")
       .def("register_param", &PagedState::register_param, py::arg("numel"), py::arg("kind") = 0)
+      .def_property_readonly(
+          "interrupted_step",
+          [](const PagedState& s) -> py::object {
+            const std::optional<optim::InterruptedStep> step = s.interrupted_step();
+            if (!step) return py::none();
+            py::dict d;
+            d["pages_done"] = step->pages_done;
+            d["pages"] = step->pages;
+            d["resumable"] = step->resumable;
+            d["complete"] = step->complete;
+            return std::move(d);
+          },
+          "The journal of a step that raised before it finished, or None (docs/reliability.md, "
+          "'Steps that fail').")
+      .def("resume_next_step", &PagedState::resume_next_step,
+           "The next step call finishes the interrupted step (same params, slots and groups) "
+           "instead of starting a new one.")
+      .def("discard_interrupted_step", &PagedState::discard_interrupted_step,
+           "Forgets the interrupted step: its applied pages stay applied, the rest never will.")
+      .def(
+          "set_sigint_before_batch",
+          [](PagedState& s, int64_t batch) {
+            s.set_batch_boundary_hook(signal_checking_hook(batch));
+          },
+          py::arg("batch"),
+          "Tests: the next step raises SIGINT in the process right before its batch `batch` "
+          "(>= 1) of pinned pages, once; -1 disarms.")
       .def("step_adamw",
            [](PagedState& s, const std::vector<at::Tensor>& params,
               const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& steps,

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "optim/param_chunks.h"
 #include "pagedoptim/common.h"
@@ -170,7 +171,16 @@ void PagedState::check_param(const ParamStep& param, size_t num_groups) const {
   }
 }
 
-std::vector<int32_t> PagedState::plan_pages(const std::vector<ParamStep>& params) {
+std::vector<int32_t> PagedState::plan_pages(const std::vector<ParamStep>& params,
+                                            bool resuming) {
+  if (resuming) {
+    // The interrupted step's own plan, direction included; the store learns only the pages
+    // still to apply, so it neither prefetches nor keeps the applied ones for this step.
+    const std::vector<int32_t>& plan = journal_->plan;
+    store_->plan(std::vector<int32_t>(plan.begin() + std::ptrdiff_t(journal_->pages_done),
+                                      plan.end()));
+    return plan;
+  }
   // The plan: every page that holds a segment of a parameter stepped now, in page order
   // (registration order, so consecutive parameters share pages and cache lines). Every
   // other step walks it backwards: the pages used last in one step are the first ones
@@ -185,8 +195,73 @@ std::vector<int32_t> PagedState::plan_pages(const std::vector<ParamStep>& params
   std::sort(plan.begin(), plan.end());
   plan.erase(std::unique(plan.begin(), plan.end()), plan.end());
   if (steps_taken_++ % 2 == 1) std::reverse(plan.begin(), plan.end());
+  journal_->plan = plan;
+  journal_->planned = true;
   store_->plan(plan);
   return plan;
+}
+
+std::optional<InterruptedStep> PagedState::interrupted_step() const {
+  if (!journal_) return std::nullopt;
+  return InterruptedStep{int64_t(journal_->pages_done), int64_t(journal_->plan.size()),
+                         journal_->resumable, journal_->complete};
+}
+
+bool PagedState::begin_step(StepCall call, const std::vector<ParamStep>& params) {
+  const bool resume = std::exchange(resume_requested_, false);
+  deferred_error_ = nullptr;
+  std::vector<std::array<int64_t, 3>> signature;
+  signature.reserve(params.size());
+  for (const ParamStep& p : params) signature.push_back({p.slot, p.group, p.span.count});
+  if (!resume) {
+    if (journal_ && !journal_->complete) {
+      throw std::logic_error(
+          "the last step was interrupted after " + std::to_string(journal_->pages_done) +
+          " of " + std::to_string(journal_->plan.size()) + " pages: resume it "
+          "(resume_next_step) or discard it (discard_interrupted_step) before a new step");
+    }
+    journal_ = StepJournal{call, std::move(signature), {}};
+    return false;
+  }
+  if (!journal_) throw std::logic_error("resume_next_step: no interrupted step to resume");
+  if (!journal_->resumable) {
+    throw std::logic_error("the interrupted step cannot be resumed: a batch failed half run "
+                           "(a device error); discard it or load a checkpoint");
+  }
+  if (journal_->call != call || journal_->signature != signature) {
+    throw std::invalid_argument("resume_next_step: this step's parameters, slots or groups "
+                                "differ from the interrupted step's");
+  }
+  return true;
+}
+
+void PagedState::finish_step() {
+  if (deferred_error_) {
+    journal_->complete = true;
+    std::rethrow_exception(std::exchange(deferred_error_, nullptr));
+  }
+  journal_.reset();
+}
+
+void PagedState::unpin_written(const std::vector<int32_t>& plan, size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) {
+    try {
+      store_->unpin(plan[i], /*dirty=*/true);
+    } catch (...) {
+      if (!deferred_error_) deferred_error_ = std::current_exception();
+    }
+  }
+}
+
+void PagedState::at_batch_boundary(size_t batch) {
+  if (!batch_hook_) return;
+  try {
+    batch_hook_(batch);
+  } catch (...) {
+    // Nothing is pinned; the rest of the plan is not coming in this call.
+    store_->plan({});
+    throw;
+  }
 }
 
 void PagedState::check_adamw_params(const std::vector<ParamStep>& params,
@@ -227,13 +302,15 @@ void PagedState::pin_batch(const std::vector<int32_t>& plan, size_t begin, size_
 template <class Apply>
 void PagedState::for_each_chunk(const std::vector<ParamStep>& params,
                                 const ParallelFor& parallel_for, const Apply& apply) {
-  const std::vector<int32_t> plan = plan_pages(params);
+  const std::vector<int32_t> plan = plan_pages(params, journal_->planned);
+  const size_t first_page = first_page_to_apply();
   std::vector<int32_t> position(size_t(table_.num_pages()), -1);
   for (size_t i = 0; i < plan.size(); ++i) position[size_t(plan[i])] = int32_t(i);
 
   std::vector<WorkItem> items;
   for (size_t p = 0; p < params.size(); ++p) {
     for (const paging::PagePiece& piece : table_.param(params[p].slot).pieces) {
+      if (size_t(position[size_t(piece.page)]) < first_page) continue;  // applied already
       const paging::Segment& segment = table_.segment(piece);
       for (int64_t begin = 0; begin < segment.count; begin += kChunkElements) {
         items.push_back(WorkItem{int32_t(p), piece.page, &segment, begin,
@@ -248,11 +325,15 @@ void PagedState::for_each_chunk(const std::vector<ParamStep>& params,
   // Batches of as many pages as the store lets us pin at once (all of them for a store
   // that holds everything): pin the batch, run its chunks in parallel, unpin it as written.
   // A failed pin unpins the batch's pages unchanged, so the store never sees a page marked
-  // written that was not; batches before it stay applied.
+  // written that was not; batches before it stay applied, and the journal says how many
+  // pages that is, so a resumed step starts at the first page not applied.
   const size_t batch_pages = size_t(std::max<int32_t>(1, store_->pin_limit()));
   std::vector<std::byte*> page_bytes(size_t(table_.num_pages()), nullptr);
   size_t next_item = 0;
-  for (size_t batch_begin = 0; batch_begin < plan.size(); batch_begin += batch_pages) {
+  size_t batch = 0;
+  for (size_t batch_begin = first_page; batch_begin < plan.size();
+       batch_begin += batch_pages, ++batch) {
+    if (batch > 0) at_batch_boundary(batch);
     const size_t batch_end = std::min(plan.size(), batch_begin + batch_pages);
     pin_batch(plan, batch_begin, batch_end, page_bytes);
     size_t items_end = next_item;
@@ -269,7 +350,8 @@ void PagedState::for_each_chunk(const std::vector<ParamStep>& params,
       }
     });
     next_item = items_end;
-    for (size_t i = batch_begin; i < batch_end; ++i) store_->unpin(plan[i], /*dirty=*/true);
+    journal_->pages_done = batch_end;
+    unpin_written(plan, batch_begin, batch_end);
   }
 }
 
@@ -283,11 +365,13 @@ void PagedState::step_adamw(const std::vector<ParamStep>& params,
                             const std::vector<AdamWGroup>& groups,
                             const ParallelFor& parallel_for) {
   check_adamw_params(params, groups);
+  // A resumed step finds its counters advanced already.
+  const bool resuming = begin_step(StepCall::kAdamW, params);
   std::vector<codec::AdamWScalars> scalars;
   scalars.reserve(params.size());
   for (const ParamStep& param : params) {
     const AdamWGroup& g = groups[size_t(param.group)];
-    *param.step += 1.0f;
+    if (!resuming) *param.step += 1.0f;
     scalars.push_back(codec::make_adamw_scalars(g.lr, g.beta1, g.beta2, g.eps, g.weight_decay,
                                                 (long long)(*param.step), g.maximize));
   }
@@ -307,18 +391,21 @@ void PagedState::step_adamw(const std::vector<ParamStep>& params,
                    kernel.adamw(chunk_span(params[p].span, segment, begin, count), streams,
                                 scalars[p]);
                  });
+  finish_step();
 }
 
 void PagedState::step_sgd(const std::vector<ParamStep>& params,
                           const std::vector<SGDGroup>& groups,
                           const ParallelFor& parallel_for) {
   check_sgd_params(params, groups);
+  const bool resuming = begin_step(StepCall::kSGD, params);
   std::vector<codec::SGDScalars> scalars;
   scalars.reserve(params.size());
   for (const ParamStep& param : params) {
     const SGDGroup& g = groups[size_t(param.group)];
-    const bool first_step = *param.step == 0.0f;
-    *param.step += 1.0f;
+    // A resumed step finds its counter advanced already.
+    const bool first_step = *param.step == (resuming ? 1.0f : 0.0f);
+    if (!resuming) *param.step += 1.0f;
     scalars.push_back(codec::make_sgd_scalars(g.lr, g.momentum, g.dampening, g.weight_decay,
                                               g.nesterov, g.maximize, first_step));
   }
@@ -338,7 +425,7 @@ void PagedState::step_sgd(const std::vector<ParamStep>& params,
       items.emplace_back(p, begin);
     }
   }
-  if (!items.empty()) {
+  if (!items.empty() && !journal_->unpaged_done) {
     parallel_for(int64_t(items.size()), [&](int64_t first, int64_t last) {
       for (int64_t i = first; i < last; ++i) {
         const auto [p, begin] = items[size_t(i)];
@@ -349,7 +436,11 @@ void PagedState::step_sgd(const std::vector<ParamStep>& params,
       }
     });
   }
-  if (paged.empty()) return;
+  journal_->unpaged_done = true;
+  if (paged.empty()) {
+    finish_step();
+    return;
+  }
   for_each_chunk(paged, parallel_for,
                  [&](size_t q, const paging::Segment& segment, std::byte* page, int64_t begin,
                      int64_t count) {
@@ -364,17 +455,19 @@ void PagedState::step_sgd(const std::vector<ParamStep>& params,
                    kernel.sgd(chunk_span(params[p].span, segment, begin, count), streams,
                               scalars[p]);
                  });
+  finish_step();
 }
 
 void PagedState::step_lion(const std::vector<ParamStep>& params,
                            const std::vector<LionGroup>& groups,
                            const ParallelFor& parallel_for) {
   for (const ParamStep& param : params) check_param(param, groups.size());
+  const bool resuming = begin_step(StepCall::kLion, params);
   std::vector<codec::LionScalars> scalars;
   scalars.reserve(params.size());
   for (const ParamStep& param : params) {
     const LionGroup& g = groups[size_t(param.group)];
-    *param.step += 1.0f;
+    if (!resuming) *param.step += 1.0f;
     scalars.push_back(
         codec::make_lion_scalars(g.lr, g.beta1, g.beta2, g.weight_decay, g.maximize));
   }
@@ -390,6 +483,7 @@ void PagedState::step_lion(const std::vector<ParamStep>& params,
                    kernel.lion(chunk_span(params[p].span, segment, begin, count), streams,
                                scalars[p]);
                  });
+  finish_step();
 }
 
 int PagedState::find_stream_of(int32_t slot, const std::string& stream) const {

@@ -96,63 +96,72 @@ void PagedState::step_skewadam(const std::vector<SkewAdamParamStep>& params,
                                const std::vector<SkewAdamGroup>& groups,
                                const ParallelFor& parallel_for) {
   check_skewadam_params(params, groups);
+  std::vector<ParamStep> steps;
+  steps.reserve(params.size());
+  for (const SkewAdamParamStep& p : params) steps.push_back(p.step);
+  // A resumed step finds its counters advanced already.
+  const bool resuming = begin_step(StepCall::kSkewAdam, steps);
   std::vector<codec::SkewAdamScalars> scalars;
   scalars.reserve(params.size());
   for (const SkewAdamParamStep& p : params) {
     const SkewAdamGroup& g = groups[size_t(p.step.group)];
-    *p.step.step += 1.0f;
+    if (!resuming) *p.step.step += 1.0f;
     scalars.push_back(codec::make_skewadam_scalars(g.lr, g.beta1, g.beta2, g.eps,
                                                    g.weight_decay, (long long)(*p.step.step)));
   }
   const kernels::SkewAdamKernelTable& kernel = kernels::skewadam_cpu_kernels();
 
   // Phase 1. factors[i] and coefficients[i] are laid out alike: [experts * rows] row
-  // values, then [experts * cols] column values.
-  struct Matrix {
-    size_t param;
-    int64_t expert;
-  };
-  std::vector<std::vector<float>> factors(params.size());
-  std::vector<std::vector<float>> coefficients(params.size());
-  std::vector<std::vector<float>> scratch(params.size());  // [experts * cols]
-  std::vector<Matrix> matrices;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const SkewAdamParamStep& p = params[i];
-    if (p.factor_slot < 0) continue;
-    factors[i].resize(size_t(p.experts * (p.rows + p.cols)));
-    coefficients[i].resize(factors[i].size());
-    scratch[i].resize(size_t(p.experts * p.cols));
-    read_stream(p.factor_slot, kFactorStream, factors[i].data());
-    for (int64_t e = 0; e < p.experts; ++e) matrices.push_back(Matrix{i, e});
-  }
-  parallel_for(int64_t(matrices.size()), [&](int64_t first, int64_t last) {
-    for (int64_t m = first; m < last; ++m) {
-      const Matrix& matrix = matrices[size_t(m)];
-      const SkewAdamParamStep& p = params[matrix.param];
-      const int64_t all_rows = p.experts * p.rows;
-      float* state = factors[matrix.param].data();
-      float* coef = coefficients[matrix.param].data();
-      const kernels::FactorStatistics f{
-          static_cast<const char*>(p.step.span.grad) +
-              matrix.expert * p.rows * p.cols * bytes_per_element(p.step.span.type),
-          p.step.span.type,
-          p.rows,
-          p.cols,
-          state + matrix.expert * p.rows,
-          state + all_rows + matrix.expert * p.cols,
-          coef + matrix.expert * p.rows,
-          coef + all_rows + matrix.expert * p.cols,
-          scratch[matrix.param].data() + matrix.expert * p.cols};
-      kernel.factor_statistics(f, scalars[matrix.param]);
+  // values, then [experts * cols] column values. They stay in the journal until the step
+  // is done: the new means reach their pages only after phase 2, so every step that raises
+  // before that leaves the old means in the pages and the new ones here.
+  std::vector<std::vector<float>>& factors = journal_->factors;
+  std::vector<std::vector<float>>& coefficients = journal_->coefficients;
+  if (factors.empty()) {
+    struct Matrix {
+      size_t param;
+      int64_t expert;
+    };
+    std::vector<std::vector<float>> new_factors(params.size());
+    std::vector<std::vector<float>> new_coefficients(params.size());
+    std::vector<std::vector<float>> scratch(params.size());  // [experts * cols]
+    std::vector<Matrix> matrices;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const SkewAdamParamStep& p = params[i];
+      if (p.factor_slot < 0) continue;
+      new_factors[i].resize(size_t(p.experts * (p.rows + p.cols)));
+      new_coefficients[i].resize(new_factors[i].size());
+      scratch[i].resize(size_t(p.experts * p.cols));
+      read_stream(p.factor_slot, kFactorStream, new_factors[i].data());
+      for (int64_t e = 0; e < p.experts; ++e) matrices.push_back(Matrix{i, e});
     }
-  });
-  for (size_t i = 0; i < params.size(); ++i) {
-    if (params[i].factor_slot >= 0) {
-      write_stream(params[i].factor_slot, kFactorStream, factors[i].data());
-    }
+    parallel_for(int64_t(matrices.size()), [&](int64_t first, int64_t last) {
+      for (int64_t m = first; m < last; ++m) {
+        const Matrix& matrix = matrices[size_t(m)];
+        const SkewAdamParamStep& p = params[matrix.param];
+        const int64_t all_rows = p.experts * p.rows;
+        float* state = new_factors[matrix.param].data();
+        float* coef = new_coefficients[matrix.param].data();
+        const kernels::FactorStatistics f{
+            static_cast<const char*>(p.step.span.grad) +
+                matrix.expert * p.rows * p.cols * bytes_per_element(p.step.span.type),
+            p.step.span.type,
+            p.rows,
+            p.cols,
+            state + matrix.expert * p.rows,
+            state + all_rows + matrix.expert * p.cols,
+            coef + matrix.expert * p.rows,
+            coef + all_rows + matrix.expert * p.cols,
+            scratch[matrix.param].data() + matrix.expert * p.cols};
+        kernel.factor_statistics(f, scalars[matrix.param]);
+      }
+    });
+    factors = std::move(new_factors);
+    coefficients = std::move(new_coefficients);
   }
 
-  // Phase 2.
+  // Phase 2: parameters without per-element state (fp32 experts: factors only), straight
+  // from the parameter, then the pages of the others.
   auto factored_streams = [&](size_t i, kernels::MomentStream m,
                               kernels::MasterResidual residual, int64_t first) {
     const SkewAdamParamStep& p = params[i];
@@ -172,6 +181,19 @@ void PagedState::step_skewadam(const std::vector<SkewAdamParamStep>& params,
         unpaged_chunks.emplace_back(i, begin);
       }
     }
+  }
+  if (!journal_->unpaged_done) {
+    parallel_for(int64_t(unpaged_chunks.size()), [&](int64_t first, int64_t last) {
+      for (int64_t c = first; c < last; ++c) {
+        const auto [i, begin] = unpaged_chunks[size_t(c)];
+        const int64_t count = std::min(kChunkElements, params[i].step.span.count - begin);
+        kernel.factored(sub_span(params[i].step.span, begin, count),
+                        factored_streams(i, kernels::MomentStream{}, kernels::MasterResidual{},
+                                         begin),
+                        scalars[i]);
+      }
+    });
+    journal_->unpaged_done = true;
   }
   if (!paged.empty()) {
     for_each_chunk_of(
@@ -196,16 +218,17 @@ void PagedState::step_skewadam(const std::vector<SkewAdamParamStep>& params,
           }
         });
   }
-  parallel_for(int64_t(unpaged_chunks.size()), [&](int64_t first, int64_t last) {
-    for (int64_t c = first; c < last; ++c) {
-      const auto [i, begin] = unpaged_chunks[size_t(c)];
-      const int64_t count = std::min(kChunkElements, params[i].step.span.count - begin);
-      kernel.factored(sub_span(params[i].step.span, begin, count),
-                      factored_streams(i, kernels::MomentStream{}, kernels::MasterResidual{},
-                                       begin),
-                      scalars[i]);
-    }
-  });
+
+  // The new running means, parameter by parameter; one whose write raised is written again
+  // whole by the resumed step (the same bytes).
+  size_t factored = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].factor_slot < 0) continue;
+    if (factored++ < journal_->factors_written) continue;
+    write_stream(params[i].factor_slot, kFactorStream, factors[i].data());
+    ++journal_->factors_written;
+  }
+  finish_step();
 }
 
 }  // namespace pagedoptim::optim

@@ -57,10 +57,14 @@ class BatchBuilder {
   std::map<int, size_t> table_of_;
 };
 
-std::vector<kernels::ScalarJob> scalar_jobs(const std::vector<ParamStep>& params) {
+// `advanced`: a resumed step, whose counters already hold this step's count.
+std::vector<kernels::ScalarJob> scalar_jobs(const std::vector<ParamStep>& params,
+                                            bool advanced) {
   std::vector<kernels::ScalarJob> jobs;
   jobs.reserve(params.size());
-  for (const ParamStep& param : params) jobs.push_back(kernels::ScalarJob{param.step, param.group});
+  for (const ParamStep& param : params) {
+    jobs.push_back(kernels::ScalarJob{param.step, param.group, advanced ? 1 : 0});
+  }
   return jobs;
 }
 
@@ -104,9 +108,11 @@ StepRow param_row(const ParamStep& param, size_t index, const paging::Segment& s
 void PagedState::run_tables(const std::vector<ParamStep>& params, TableRunner& runner,
                             const RowFn& make_row,
                             std::vector<std::pair<StepVariant, StepRow>> extra) {
-  const std::vector<int32_t> plan = plan_pages(params);
+  const std::vector<int32_t> plan = plan_pages(params, journal_->planned);
+  const size_t first_page = first_page_to_apply();
   std::vector<int32_t> position(size_t(table_.num_pages()), -1);
   for (size_t i = 0; i < plan.size(); ++i) position[size_t(plan[i])] = int32_t(i);
+  if (journal_->unpaged_done) extra.clear();
 
   struct Piece {
     size_t param;
@@ -116,7 +122,7 @@ void PagedState::run_tables(const std::vector<ParamStep>& params, TableRunner& r
   for (size_t p = 0; p < params.size(); ++p) {
     if (params[p].slot < 0) continue;
     for (const paging::PagePiece& piece : table_.param(params[p].slot).pieces) {
-      pieces.push_back(Piece{p, piece});
+      if (size_t(position[size_t(piece.page)]) >= first_page) pieces.push_back(Piece{p, piece});
     }
   }
   std::stable_sort(pieces.begin(), pieces.end(), [&](const Piece& a, const Piece& b) {
@@ -126,9 +132,11 @@ void PagedState::run_tables(const std::vector<ParamStep>& params, TableRunner& r
   const size_t batch_pages = size_t(std::max<int32_t>(1, store_->pin_limit()));
   std::vector<std::byte*> page_bytes(size_t(table_.num_pages()), nullptr);
   size_t next_piece = 0;
-  size_t batch_begin = 0;
+  size_t batch_begin = first_page;
+  size_t batch = 0;
   // One pass even without pages: parameters without state (plain SGD) still need a launch.
   do {
+    if (batch++ > 0) at_batch_boundary(batch - 1);
     const size_t batch_end = std::min(plan.size(), batch_begin + batch_pages);
     pin_batch(plan, batch_begin, batch_end, page_bytes);
     BatchBuilder builder;
@@ -146,10 +154,12 @@ void PagedState::run_tables(const std::vector<ParamStep>& params, TableRunner& r
       builder.add(variant, row);
     }
     // Unpinned as written whether or not the runner succeeds: a table that ran before a
-    // failing one has changed its pages, and a page marked written is never lost.
+    // failing one has changed its pages, and a page marked written is never lost. Such a
+    // batch is neither applied nor untouched, so its step cannot be resumed.
     try {
       if (!builder.empty()) runner.run(builder.finish());
     } catch (...) {
+      journal_->resumable = false;
       // The runner's error is the one to report: an unpin here may throw a store's pending
       // error (a write-back that failed earlier, counted in paging_stats()["write_errors"];
       // its page stayed in memory), which must not replace it.
@@ -161,7 +171,9 @@ void PagedState::run_tables(const std::vector<ParamStep>& params, TableRunner& r
       }
       throw;
     }
-    for (size_t i = batch_begin; i < batch_end; ++i) store_->unpin(plan[i], /*dirty=*/true);
+    journal_->unpaged_done = true;
+    journal_->pages_done = batch_end;
+    unpin_written(plan, batch_begin, batch_end);
     batch_begin = batch_end;
   } while (batch_begin < plan.size());
 }
@@ -170,7 +182,8 @@ void PagedState::step_adamw(const std::vector<ParamStep>& params,
                             const std::vector<AdamWGroup>& groups, TableRunner& runner) {
   check_adamw_params(params, groups);
   if (params.empty()) return;
-  runner.prepare_adamw(scalar_jobs(params), groups);
+  const bool resuming = begin_step(StepCall::kTableAdamW, params);
+  runner.prepare_adamw(scalar_jobs(params, resuming), groups);
   run_tables(params, runner,
              [&](size_t p, const paging::Segment& segment, std::byte* page, StepVariant& variant,
                  StepRow& row) {
@@ -190,13 +203,15 @@ void PagedState::step_adamw(const std::vector<ParamStep>& params,
                row.residual = residual_ptr(kind, page, segment, 0).values;
              },
              {});
+  finish_step();
 }
 
 void PagedState::step_sgd(const std::vector<ParamStep>& params,
                           const std::vector<SGDGroup>& groups, TableRunner& runner) {
   check_sgd_params(params, groups);
   if (params.empty()) return;
-  runner.prepare_sgd(scalar_jobs(params), groups);
+  const bool resuming = begin_step(StepCall::kTableSGD, params);
+  runner.prepare_sgd(scalar_jobs(params, resuming), groups);
   // Parameters without state (momentum 0 and no master residual) have no pages: one row
   // each, over the whole parameter.
   std::vector<std::pair<StepVariant, StepRow>> stateless;
@@ -226,13 +241,15 @@ void PagedState::step_sgd(const std::vector<ParamStep>& params,
                row.residual = residual_ptr(kind, page, segment, 0).values;
              },
              std::move(stateless));
+  finish_step();
 }
 
 void PagedState::step_lion(const std::vector<ParamStep>& params,
                            const std::vector<LionGroup>& groups, TableRunner& runner) {
   for (const ParamStep& param : params) check_param(param, groups.size());
   if (params.empty()) return;
-  runner.prepare_lion(scalar_jobs(params), groups);
+  const bool resuming = begin_step(StepCall::kTableLion, params);
+  runner.prepare_lion(scalar_jobs(params, resuming), groups);
   run_tables(params, runner,
              [&](size_t p, const paging::Segment& segment, std::byte* page, StepVariant& variant,
                  StepRow& row) {
@@ -246,6 +263,7 @@ void PagedState::step_lion(const std::vector<ParamStep>& params,
                row.residual = residual_ptr(kind, page, segment, 0).values;
              },
              {});
+  finish_step();
 }
 
 void PagedState::copy_stream_with(TableRunner& runner, int32_t slot, const std::string& stream,
@@ -278,10 +296,16 @@ void PagedState::step_skewadam(const std::vector<SkewAdamParamStep>& params,
   std::vector<ParamStep> steps;
   steps.reserve(params.size());
   for (const SkewAdamParamStep& p : params) steps.push_back(p.step);
-  runner.prepare_skewadam(scalar_jobs(steps), groups);
+  const bool resuming = begin_step(StepCall::kTableSkewAdam, steps);
+  runner.prepare_skewadam(scalar_jobs(steps, resuming), groups);
 
   // Phase 1: each factored parameter's running means, copied out of their pages into
-  // scratch next to its coefficients, through the statistics kernels, and back.
+  // scratch next to its coefficients, through the statistics kernels. The scratch lives
+  // as long as this call, so a resumed step computes them again; that gives the same bits
+  // because the new means go back into the pages only after phase 2 (the pages still hold
+  // the old ones), and only those of parameters not yet written back.
+  size_t factored = 0;
+  std::vector<bool> rewrite(params.size(), false);
   std::vector<const float*> coefficients(params.size(), nullptr);
   std::vector<float*> factors(params.size(), nullptr);
   std::vector<kernels::FactorMatrix> matrices;
@@ -289,7 +313,8 @@ void PagedState::step_skewadam(const std::vector<SkewAdamParamStep>& params,
   int64_t first_col = 0;
   for (size_t i = 0; i < params.size(); ++i) {
     const SkewAdamParamStep& p = params[i];
-    if (p.factor_slot < 0) continue;
+    if (p.factor_slot < 0 || factored++ < journal_->factors_written) continue;
+    rewrite[i] = true;
     const int64_t lines = p.experts * (p.rows + p.cols);
     factors[i] = static_cast<float*>(runner.scratch(lines * int64_t(sizeof(float))));
     auto* coef = static_cast<float*>(runner.scratch(lines * int64_t(sizeof(float))));
@@ -319,14 +344,7 @@ void PagedState::step_skewadam(const std::vector<SkewAdamParamStep>& params,
       matrices.push_back(m);
     }
   }
-  if (!matrices.empty()) {
-    runner.run_statistics(matrices);
-    for (size_t i = 0; i < params.size(); ++i) {
-      if (params[i].factor_slot < 0) continue;
-      copy_stream_with(runner, params[i].factor_slot, kFactorStream, factors[i],
-                       /*into_pages=*/true);
-    }
-  }
+  if (!matrices.empty()) runner.run_statistics(matrices);
 
   // Phase 2: the elementwise tables. Factored parameters without per-element state (the
   // experts tier in fp32) have no pages: one row each over the whole parameter.
@@ -375,6 +393,21 @@ void PagedState::step_skewadam(const std::vector<SkewAdamParamStep>& params,
                row.residual = residual_ptr(kind, page, segment, 0).values;
              },
              std::move(unpaged));
+
+  // The new running means. A write that raised after the first page of a parameter
+  // whose means span several pages left them half new: not resumable.
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!rewrite[i]) continue;
+    try {
+      copy_stream_with(runner, params[i].factor_slot, kFactorStream, factors[i],
+                       /*into_pages=*/true);
+    } catch (...) {
+      if (table_.param(params[i].factor_slot).pieces.size() > 1) journal_->resumable = false;
+      throw;
+    }
+    ++journal_->factors_written;
+  }
+  finish_step();
 }
 
 }  // namespace pagedoptim::optim

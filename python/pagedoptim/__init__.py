@@ -2,6 +2,7 @@
 
 from pagedoptim.adamw import AdamW
 from pagedoptim.checkpoint_format import CheckpointError
+from pagedoptim.interrupted_step import InterruptedStepError
 from pagedoptim.lion import Lion
 from pagedoptim.optimizer import PagedOptimizer
 from pagedoptim.paging import PageCorruptionError, PageIOError
@@ -10,8 +11,8 @@ from pagedoptim.sgd import SGD
 from pagedoptim.skewadam import SkewAdam
 from pagedoptim.wrap import wrap
 
-__all__ = ["AdamW", "CheckpointError", "Lion", "PageCorruptionError", "PageIOError", "PagedOptimizer", "SGD",
-           "SkewAdam", "patch", "unpatch", "wrap"]
+__all__ = ["AdamW", "CheckpointError", "InterruptedStepError", "Lion", "PageCorruptionError",
+           "PageIOError", "PagedOptimizer", "SGD", "SkewAdam", "patch", "unpatch", "wrap"]
 __version__ = "0.1.0"
 
 

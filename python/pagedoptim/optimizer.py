@@ -20,8 +20,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from pagedoptim import (checkpoint_stream, compiled_step, paging, release_guard, sharded_params,
-                        state_format, state_plan, torch_flags)
+from pagedoptim import (checkpoint_stream, compiled_step, interrupted_step, paging, release_guard,
+                        sharded_params, state_format, state_plan, torch_flags)
 from pagedoptim._native import native
 from pagedoptim.checkpoint_algorithms import check_algorithm
 from pagedoptim.lifecycle import ClosedState, open_only
@@ -60,6 +60,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._shard_layouts: dict[torch.Tensor, sharded_params.ShardLayout] = {}
         self._release_hooks: list[Any] = []
         self._released_this_round: set[int] = set()
+        self._interrupted: Optional[interrupted_step.Interrupted] = None
         self._closed = False
         if isinstance(params, (set, frozenset)):
             raise TypeError("params must be an ordered collection (a list, a generator, "
@@ -96,6 +97,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._release_hooks.clear()
         compiled_step.forget_plan(self)
         self._slots.clear()
+        self._interrupted = None
         self.state = ClosedState(self)  # type: ignore[assignment]
         # The last reference: the native destructors drain in-flight I/O, then close the
         # ring and the page file's descriptor.
@@ -247,8 +249,15 @@ class PagedOptimizer(torch.optim.Optimizer):
         `tensors` are _add_to_batch's target and step (given by a compiled step's op)."""
         self.state.sync()
         hyperparameters = [self._group_hyperparameters(group) for group in self.param_groups]
+        # After a step that raised: a retry finishes it, anything else is refused
+        # (pagedoptim/interrupted_step.py).
+        first_round, resume = interrupted_step.plan_rounds(
+            type(self).__name__, self._engine, self._interrupted, pending, hyperparameters)
+        fingerprint = interrupted_step.StepFingerprint.of(pending, hyperparameters)
+        self._interrupted = None
         # A param given twice in a group is stepped twice, one after the other, as torch
         # steps it: each round holds every param at most once.
+        round_index = 0
         while pending:
             batch, repeated, seen = _StepBatch(), [], set()
             batch.amp, batch.hyperparameters = amp, hyperparameters
@@ -260,8 +269,11 @@ class PagedOptimizer(torch.optim.Optimizer):
                 seen.add(id(p))
                 grad = self._dense_grad(p, grad, self.param_groups[group_id])
                 self._add_to_batch(batch, p, grad, group_id, **tensors)
-            self._run(batch)
+            if round_index >= first_round:
+                self._run(batch, fingerprint, round_index,
+                          resume=resume and round_index == first_round)
             pending = repeated
+            round_index += 1
 
     def _dense_grad(self, p: torch.Tensor, grad: torch.Tensor,
                     group: dict[str, Any]) -> torch.Tensor:
@@ -325,15 +337,47 @@ class PagedOptimizer(torch.optim.Optimizer):
                 return f"param {index} (shape {tuple(p.shape)}, {p.dtype})"
         return f"a param of shape {tuple(p.shape)} ({p.dtype})"
 
-    def _run(self, batch: "_StepBatch") -> None:
+    def _run(self, batch: "_StepBatch", fingerprint: interrupted_step.StepFingerprint,
+             round_index: int = 0, resume: bool = False) -> None:
         if not batch.params:
             return
-        self._native_step(batch.params, batch.grads, batch.steps, batch.slots,
-                          batch.group_ids, batch.hyperparameters, **batch.amp)
-        # Copies of the state read before the step no longer hold it.
-        self.state.retire_all()
-        for p, work in batch.write_back:
-            p.copy_(work)
+        try:
+            if resume:
+                self._engine.resume_next_step()
+            self._native_step(batch.params, batch.grads, batch.steps, batch.slots,
+                              batch.group_ids, batch.hyperparameters, **batch.amp)
+        except BaseException as error:
+            if self._engine is not None and self._engine.interrupted_step is not None:
+                self._interrupted = interrupted_step.Interrupted(
+                    fingerprint, round_index, interrupted_step.describe_error(error))
+            raise
+        finally:
+            # Also after an error: the chunks applied before it must reach the params
+            # stepped on contiguous copies, or a retry could not finish the step.
+            # Copies of the state read before the step no longer hold it.
+            self.state.retire_all()
+            for p, work in batch.write_back:
+                p.copy_(work)
+
+    @property
+    def interrupted_step(self) -> Optional[dict[str, Any]]:
+        """None, or what the last step did before it raised: 'pages_done' of 'pages'
+        applied, 'resumable' (whether step() with the same gradients can finish it), and
+        'error' (what it raised). See docs/reliability.md, "Steps that fail"."""
+        journal = self._engine.interrupted_step if self._engine is not None else None
+        if self._interrupted is None or journal is None or journal["complete"]:
+            return None
+        return {"pages_done": journal["pages_done"], "pages": journal["pages"],
+                "resumable": journal["resumable"], "error": self._interrupted.error}
+
+    @open_only
+    def discard_interrupted_step(self) -> None:
+        """Accepts the interrupted step as it is: its step counters stay advanced and the
+        pages it applied stay applied; the rest of it never will be. The next step() is a
+        new step. Does nothing when no step was interrupted."""
+        if self._engine is not None:
+            self._engine.discard_interrupted_step()
+        self._interrupted = None
 
     def _step_counter(self, p: torch.Tensor) -> torch.Tensor:
         """The param's step count: a 0-dim float32 tensor on the CPU for CPU params, and on
@@ -370,8 +414,17 @@ class PagedOptimizer(torch.optim.Optimizer):
         group = self._group_of(p)
         batch = _StepBatch()
         batch.hyperparameters = [self._group_hyperparameters(group)]
+        pending = [(p, 0, p.grad, {})]
+        first_round, resume = interrupted_step.plan_rounds(
+            type(self).__name__, self._engine, self._interrupted, pending, batch.hyperparameters)
+        self._interrupted = None
+        if first_round > 0:  # a retry of a step that had applied every page
+            self._released_this_round.add(id(p))
+            p.grad = None
+            return
         self._add_to_batch(batch, p, self._dense_grad(p, p.grad, group), 0)
-        self._run(batch)
+        self._run(batch, interrupted_step.StepFingerprint.of(pending, batch.hyperparameters),
+                  resume=resume)
         self._released_this_round.add(id(p))
         p.grad = None
 
@@ -614,9 +667,11 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def _scatter_streams(self, streams: dict[int, dict[str, torch.Tensor]]) -> None:
         """Replaces the engine by one holding exactly `streams` (param index -> tensors, in
-        this optimizer's format or another: fp32 moments and codes convert both ways)."""
+        this optimizer's format or another: fp32 moments and codes convert both ways).
+        The new engine has no interrupted step to finish."""
         self._engine = None
         self._slots = {}
+        self._interrupted = None
         if not streams:
             return
         params = self._indexed_params()
@@ -799,9 +854,11 @@ class PagedOptimizer(torch.optim.Optimizer):
         return [("state", slot, _state_numel(p), self._streams_of(p))]
 
     def _forget_engine(self) -> None:
-        """Drops the references to the engine and its slots (a load builds a new one)."""
+        """Drops the references to the engine and its slots (a load builds a new one), and
+        with them any interrupted step: the new engine has none to finish."""
         self._engine = None
         self._slots = {}
+        self._interrupted = None
 
     def _load_plain_state(self, p: torch.Tensor, entries: dict[Any, Any],
                           has_streams: bool) -> None:
@@ -859,6 +916,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._shard_layouts = {}
         self._release_hooks = []
         self._released_this_round = set()
+        self._interrupted = None
         self.state = StateMap(self)
         params = self._indexed_params()
         self._device = params[0].device if params else None

@@ -241,6 +241,12 @@ def fault_counts(optimizer: Any) -> list[int]:
     return list(native.fault_counts(optimizer._ensure_engine()))
 
 
+def sigint_before_batch(optimizer: Any, batch: int) -> None:
+    """Tests: the optimizer's next native step raises SIGINT in this process right before
+    its batch `batch` (>= 1) of pinned pages, as a Ctrl-C arriving there would (once)."""
+    optimizer._ensure_engine().set_sigint_before_batch(batch)
+
+
 def drain(optimizer: Any) -> None:
     """Waits until the pager of the optimizer has no I/O in flight."""
     if optimizer._engine is not None and optimizer._engine.paging_stats()["offload"]:

@@ -236,8 +236,8 @@ def test_a_failed_read_under_a_gpu_cache_raises_and_loses_no_state(fault, error,
         opt.step()
     paging.set_fault_rules(opt, [])
     # Every page still reads back (the failed one from the file, intact), and training goes
-    # on. Whether the failed step left some params stepped is issue 14's (all-or-nothing
-    # steps); here: nothing lost, nothing corrupt.
+    # on: the step() below, with the same gradients, finishes the interrupted step
+    # (docs/reliability.md, "Steps that fail"); here: nothing lost, nothing corrupt.
     state = opt.state_dict()["state"]
     assert all(torch.isfinite(v.float()).all() for s in state.values() for v in s.values())
     opt.step()

@@ -150,7 +150,8 @@ def test_released_grads_page_in_the_learned_order_on_the_simulated_device(name):
 def test_page_file_faults_under_the_device_cache_lose_no_state(fault, error, tmp_path):
     """The fault tests through the simulated device: a fault raises its error; afterwards
     every page reads back and training goes on. A failed write-back happens behind a
-    completed step, so that run must stay bit-identical to one that never failed."""
+    completed step and a failed read is finished by a retry, so the run must stay
+    bit-identical to one that never failed."""
     # About 110 pages of fp32 state: well past the 16 bounce buffers above the page file.
     shapes = [(30000,), (100, 200), (5000,)]
     ref_params, ref = run("AdamW", shapes, 9, 4, lambda step, i: False, state_bits=32,
@@ -174,13 +175,16 @@ def test_page_file_faults_under_the_device_cache_lose_no_state(fault, error, tmp
                 failed = True
             if step == 2:
                 paging.set_fault_rules(opt, [])
+                if opt.interrupted_step is not None:
+                    opt.step()  # a failed read: the retry finishes the step exactly
     assert failed
     assert opt.paging_stats()["device"] == "simulated"
     opt.state_dict()  # every page reads back
-    if fault["ops"] == "write":
-        for p, q in zip(params, ref_params):
-            assert torch.equal(p, q)
-        assert_same_state(opt, ref)
+    # A failed write-back happened behind a completed step, a failed read was retried: the
+    # run is bit-identical to one that never failed.
+    for p, q in zip(params, ref_params):
+        assert torch.equal(p, q)
+    assert_same_state(opt, ref)
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))

@@ -223,7 +223,7 @@ void visit_statistics_bodies(Visit&& visit) {
 
 PO_HOST_DEVICE void prepare_skewadam_scalars(const ScalarJob& job, const optim::SkewAdamGroup& g,
                                              codec::SkewAdamScalars& out) {
-  *job.step += 1.0f;
+  if (job.advanced == 0) *job.step += 1.0f;
   out = codec::make_skewadam_scalars(g.lr, g.beta1, g.beta2, g.eps, g.weight_decay,
                                      (long long)(*job.step));
 }

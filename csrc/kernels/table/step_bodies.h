@@ -210,27 +210,28 @@ struct MomentumCompandedBody {
 // --- per-parameter scalars -------------------------------------------------------------------
 //
 // One call per parameter, before the tables run: advances the step counter (unless GradScaler
-// skips the step) and hoists the parameter's scalars with the shared make_*_scalars, so
-// both backends feed identical scalars to identical element math.
+// skips the step, or the step resumes one that advanced it already) and hoists the
+// parameter's scalars with the shared make_*_scalars, so both backends feed identical
+// scalars to identical element math.
 
 PO_HOST_DEVICE void prepare_adamw_scalars(const ScalarJob& job, const optim::AdamWGroup& g,
                                           codec::AdamWScalars& out) {
-  *job.step += 1.0f;
+  if (job.advanced == 0) *job.step += 1.0f;
   out = codec::make_adamw_scalars(g.lr, g.beta1, g.beta2, g.eps, g.weight_decay,
                                   (long long)(*job.step), g.maximize);
 }
 
 PO_HOST_DEVICE void prepare_sgd_scalars(const ScalarJob& job, const optim::SGDGroup& g,
                                         codec::SGDScalars& out) {
-  const bool first_step = *job.step == 0.0f;
-  *job.step += 1.0f;
+  const bool first_step = *job.step == (job.advanced != 0 ? 1.0f : 0.0f);
+  if (job.advanced == 0) *job.step += 1.0f;
   out = codec::make_sgd_scalars(g.lr, g.momentum, g.dampening, g.weight_decay, g.nesterov,
                                 g.maximize, first_step);
 }
 
 PO_HOST_DEVICE void prepare_lion_scalars(const ScalarJob& job, const optim::LionGroup& g,
                                          codec::LionScalars& out) {
-  *job.step += 1.0f;
+  if (job.advanced == 0) *job.step += 1.0f;
   out = codec::make_lion_scalars(g.lr, g.beta1, g.beta2, g.weight_decay, g.maximize);
 }
 

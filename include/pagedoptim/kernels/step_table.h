@@ -117,9 +117,9 @@ struct FactorMatrix {
 // The step counter and group of one parameter of the call: the input of the scalar
 // preparation that runs before the tables (on the device, next to the counters).
 struct ScalarJob {
-  float* step = nullptr;  // incremented unless found_inf is set
+  float* step = nullptr;  // incremented unless found_inf is set or `advanced`
   int32_t group = 0;      // index into the call's group hyperparameters
-  int32_t reserved = 0;
+  int32_t advanced = 0;   // 1: a resumed step; the counter already holds this step's count
 };
 
 // Index of the row that holds `unit`: the last row whose first_unit <= unit.

@@ -7,9 +7,12 @@
 // kernel on the chunks in parallel, and unpins the pages as written.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
+#include <exception>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -70,6 +73,20 @@ struct KindStreams {
   int factors = -1;    // SkewAdam's "exp_avg_sq_factors"
 };
 
+// A step that raised before it finished (docs/reliability.md, "Steps that fail").
+struct InterruptedStep {
+  int64_t pages_done;  // pages of the step's plan already applied
+  int64_t pages;       // pages in the step's plan
+  bool resumable;      // false when a batch failed half run (a device error): retry is refused
+  bool complete;       // every page applied; only an error that surfaced afterwards is left
+};
+
+// Called by the step drivers between two batches of pinned pages (no page pinned), with
+// the index of the batch about to be pinned in this call. It may throw to interrupt the
+// step there (the binding turns a pending Ctrl-C into an exception); the step then stays
+// journaled and resumable.
+using BatchBoundaryHook = std::function<void(size_t next_batch)>;
+
 class PagedState {
  public:
   // One stream set per parameter kind, fixed for the life of the state. Moment names:
@@ -125,6 +142,21 @@ class PagedState {
   void write_stream_range(int32_t slot, const std::string& stream, int64_t offset,
                           int64_t bytes, const void* in);
 
+  // Steps that fail. A step that raises (a failed read, an interrupt at a batch boundary)
+  // leaves a journal: its plan, how many of its pages are applied, and which parameters
+  // it stepped. The next step call must then either resume it (resume_next_step() first:
+  // same parameters, slots and groups; the counters are not advanced again, the scan does
+  // not flip, and only the pages not yet applied are stepped) or follow
+  // discard_interrupted_step(). A fresh step over an unfinished journal throws.
+  std::optional<InterruptedStep> interrupted_step() const;
+  void discard_interrupted_step() {
+    journal_.reset();
+    resume_requested_ = false;  // a resume asked for by a call that failed before it began
+  }
+  // The next step call finishes the interrupted step instead of starting a new one.
+  void resume_next_step() { resume_requested_ = true; }
+  void set_batch_boundary_hook(BatchBoundaryHook hook) { batch_hook_ = std::move(hook); }
+
   // Whether the table steps may use the vector bodies for rows aligned for them (default
   // on; off runs every row one element per lane, for comparisons).
   void set_vector_loads(bool on) { vector_loads_ = on; }
@@ -136,9 +168,46 @@ class PagedState {
   bool stateless() const { return stateless_; }
 
  private:
+  // What an interrupted step did (see interrupted_step()); which driver ran it, so that a
+  // resume through another one is refused.
+  enum class StepCall { kAdamW, kSGD, kLion, kSkewAdam, kTableAdamW, kTableSGD, kTableLion,
+                        kTableSkewAdam };
+  struct StepJournal {
+    StepCall call;
+    std::vector<std::array<int64_t, 3>> signature;  // per parameter: slot, group, numel
+    bool planned = false;                           // plan_pages ran: `plan` is the plan
+    std::vector<int32_t> plan;                      // the step's pages, in pin order
+    size_t pages_done = 0;         // plan[0, pages_done) are applied
+    bool unpaged_done = false;     // parameters without pages (plain SGD, SkewAdam's fp32
+                                   // experts) are applied
+    size_t factors_written = 0;    // SkewAdam: factored parameters, in call order, whose new
+                                   // running means are in their pages
+    // SkewAdam on the CPU: phase 1's new running means and coefficients per parameter
+    // (empty until it ran), so a resumed step reuses them.
+    std::vector<std::vector<float>> factors, coefficients;
+    bool resumable = true;
+    bool complete = false;
+  };
+  // Starts a step through driver `call`: a fresh one (journal opened), or the interrupted
+  // one again after resume_next_step(). Returns whether it resumes. Throws when a fresh
+  // step meets an unfinished journal, or a resume does not match it.
+  bool begin_step(StepCall call, const std::vector<ParamStep>& params);
+  // Ends a step whose work is all done: rethrows an error that surfaced on the way (a
+  // failed write-back, reported by the last unpin) with the journal marked complete, else
+  // closes the journal.
+  void finish_step();
+  // The pages of the plan still to apply: all of a fresh step's, the rest of a resumed one.
+  size_t first_page_to_apply() const { return journal_ ? journal_->pages_done : 0; }
+  // Unpins plan[begin, end) as written. An unpin that throws (the store's pending error,
+  // raised by the last unpin of a plan) is kept for finish_step: the work is done.
+  void unpin_written(const std::vector<int32_t>& plan, size_t begin, size_t end);
+  // Before batch `batch` (> 0) of this call: the hook, which may interrupt the step; then
+  // the store stops prefetching the rest of the plan.
+  void at_batch_boundary(size_t batch);
+
   // The pages of a step's parameters in the order they will be pinned (see
-  // for_each_chunk), handed to the store as its plan.
-  std::vector<int32_t> plan_pages(const std::vector<ParamStep>& params);
+  // for_each_chunk), handed to the store as its plan; a resumed step's rest of its plan.
+  std::vector<int32_t> plan_pages(const std::vector<ParamStep>& params, bool resuming);
   // Pins plan[begin, end) into pages[page id]; on a failed pin unpins what it pinned,
   // unchanged, and rethrows, so the store never sees a page marked written that was not.
   void pin_batch(const std::vector<int32_t>& plan, size_t begin, size_t end,
@@ -203,6 +272,10 @@ class PagedState {
   std::unique_ptr<paging::PageStore> store_;
   int64_t steps_taken_ = 0;  // the parity picks the plan's scan direction
   bool vector_loads_ = true;
+  std::optional<StepJournal> journal_;
+  bool resume_requested_ = false;
+  BatchBoundaryHook batch_hook_;
+  std::exception_ptr deferred_error_;  // see unpin_written
 };
 
 }  // namespace pagedoptim::optim

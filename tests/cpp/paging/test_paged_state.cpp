@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "device/host_table_runner.h"
 #include "kernels/cpu/step_kernels.h"
 #include "pagedoptim/codec/float_convert.h"
 #include "pagedoptim/optim/paged_state.h"
@@ -300,6 +301,275 @@ TEST(PagedState, FailedGrowthLeavesNoLayoutBehind) {
   // The retry lays the parameter out afresh, and the store holds exactly the table's pages.
   EXPECT_EQ(state.register_param(5000), 1);
   EXPECT_EQ(state.store().num_pages(), state.table().num_pages());
+}
+
+
+// A host store that pins at most two pages at a time (so a step has several batches) and
+// throws at its `fail_at`-th pin from now (-1: never), as a read that keeps failing would.
+class FailingPinStore final : public paging::PageStore {
+ public:
+  explicit FailingPinStore(int64_t page_bytes) : inner_(page_bytes) {}
+  void fail_at(int64_t pin) {
+    fail_at_ = pin;
+    pins_ = 0;
+  }
+  void grow(int32_t num_pages) override { inner_.grow(num_pages); }
+  std::byte* pin(int32_t page) override {
+    if (pins_++ == fail_at_) throw std::runtime_error("injected read failure");
+    return inner_.pin(page);
+  }
+  void unpin(int32_t page, bool dirty) override { inner_.unpin(page, dirty); }
+  int32_t pin_limit() const override { return 2; }
+  int32_t num_pages() const override { return inner_.num_pages(); }
+  int64_t page_bytes() const override { return inner_.page_bytes(); }
+  int64_t resident_bytes() const override { return inner_.resident_bytes(); }
+
+ private:
+  paging::HostPageStore inner_;
+  int64_t fail_at_ = -1;
+  int64_t pins_ = 0;
+};
+
+// One optimizer's params, grads and counters, stepped through a FailingPinStore.
+struct JournalRun {
+  static constexpr int64_t kSizes[] = {1500, 40, 3000, 700};
+  std::unique_ptr<PagedState> state;
+  FailingPinStore* store;
+  std::vector<std::vector<float>> params, grads;
+  std::vector<float> steps;
+  std::vector<int32_t> slots;
+
+  JournalRun() {
+    auto owned = std::make_unique<FailingPinStore>(4096);
+    store = owned.get();
+    state = std::make_unique<PagedState>(
+        OptimizerKind::kAdamW,
+        std::vector<std::vector<paging::StreamSpec>>{{{"exp_avg", 128}, {"exp_avg_sq", 128}}},
+        std::move(owned));
+    std::mt19937 rng(3);
+    std::normal_distribution<float> normal;
+    for (int64_t n : kSizes) {
+      params.emplace_back(size_t(n));
+      for (float& x : params.back()) x = normal(rng);
+      grads.emplace_back(size_t(n));
+      slots.push_back(state->register_param(n));
+    }
+    steps.assign(params.size(), 0.0f);
+  }
+
+  void set_grads(int step) {
+    std::mt19937 rng(100 + step);
+    std::normal_distribution<float> normal;
+    for (auto& g : grads) {
+      for (float& x : g) x = normal(rng);
+    }
+  }
+
+  // On the CPU kernels, or through `runner`'s tables (the device path).
+  void step(TableRunner* runner = nullptr) {
+    std::vector<ParamStep> call;
+    for (size_t i = 0; i < params.size(); ++i) {
+      call.push_back(ParamStep{slots[i],
+                               kernels::ParamSpan{params[i].data(), grads[i].data(),
+                                                  int64_t(params[i].size()),
+                                                  kernels::ElementType::kFloat32},
+                               0, &steps[i]});
+    }
+    const std::vector<AdamWGroup> groups = {{1e-2, 0.9, 0.999, 1e-8, 0.1, false, false}};
+    if (runner != nullptr) {
+      state->step_adamw(call, groups, *runner);
+    } else {
+      state->step_adamw(call, groups, kSerial);
+    }
+  }
+
+  void expect_same(const JournalRun& other) const {
+    EXPECT_EQ(steps, other.steps);
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_EQ(0, std::memcmp(params[i].data(), other.params[i].data(),
+                               params[i].size() * sizeof(float)))
+          << "param " << i;
+      for (const char* stream : {"exp_avg", "exp_avg_sq"}) {
+        std::vector<float> a(params[i].size()), b(params[i].size());
+        state->read_stream(slots[i], stream, a.data());
+        other.state->read_stream(other.slots[i], stream, b.data());
+        EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)))
+            << stream << " of param " << i;
+      }
+    }
+  }
+};
+
+TEST(PagedStateJournal, AStepFailingAtAnyPinIsFinishedExactlyByResuming) {
+  JournalRun reference;
+  const int32_t pages = reference.state->table().num_pages();
+  ASSERT_GE(pages, 8);
+  for (int step = 0; step < 4; ++step) {
+    reference.set_grads(step);
+    reference.step();
+  }
+  for (int64_t failing_pin = 0; failing_pin < pages; ++failing_pin) {
+    JournalRun run;
+    for (int step = 0; step < 4; ++step) {
+      run.set_grads(step);
+      if (step == 1) {  // an odd step: its plan runs backwards
+        run.store->fail_at(failing_pin);
+        EXPECT_THROW(run.step(), std::runtime_error);
+        const auto journal = run.state->interrupted_step();
+        ASSERT_TRUE(journal.has_value());
+        EXPECT_EQ(journal->pages, pages);
+        // Pins fail before their batch runs: whole batches of two are applied.
+        EXPECT_EQ(journal->pages_done, failing_pin / 2 * 2);
+        EXPECT_TRUE(journal->resumable);
+        // A fresh step over it is refused; so is a resume that names other parameters.
+        EXPECT_THROW(run.step(), std::logic_error);
+        run.store->fail_at(-1);
+        run.state->resume_next_step();
+        run.step();
+        EXPECT_FALSE(run.state->interrupted_step().has_value());
+      } else {
+        run.step();
+      }
+    }
+    run.expect_same(reference);
+  }
+}
+
+TEST(PagedStateJournal, AnInterruptAtABatchBoundaryIsFinishedExactlyByResuming) {
+  JournalRun reference;
+  const int32_t pages = reference.state->table().num_pages();
+  for (int step = 0; step < 3; ++step) {
+    reference.set_grads(step);
+    reference.step();
+  }
+  for (size_t boundary = 1; boundary < size_t(pages + 1) / 2; ++boundary) {
+    JournalRun run;
+    run.set_grads(0);
+    run.step();
+    run.set_grads(1);
+    run.state->set_batch_boundary_hook([&](size_t batch) {
+      if (batch == boundary) throw std::runtime_error("interrupted");
+    });
+    EXPECT_THROW(run.step(), std::runtime_error);
+    EXPECT_EQ(run.state->interrupted_step()->pages_done, int64_t(boundary * 2));
+    run.state->set_batch_boundary_hook(nullptr);
+    run.state->resume_next_step();
+    run.step();
+    run.set_grads(2);
+    run.step();
+    run.expect_same(reference);
+  }
+}
+
+// The host emulation of the device tables, whose run() throws at its `fail_at`-th call (a
+// failed kernel launch: the batch may be half run).
+class FailingRunner final : public TableRunner {
+ public:
+  explicit FailingRunner(int fail_at = -1) : fail_at_(fail_at) {}
+  void prepare_adamw(const std::vector<kernels::ScalarJob>& jobs,
+                     const std::vector<AdamWGroup>& groups) override {
+    inner_.prepare_adamw(jobs, groups);
+  }
+  void prepare_sgd(const std::vector<kernels::ScalarJob>& jobs,
+                   const std::vector<SGDGroup>& groups) override {
+    inner_.prepare_sgd(jobs, groups);
+  }
+  void prepare_lion(const std::vector<kernels::ScalarJob>& jobs,
+                    const std::vector<LionGroup>& groups) override {
+    inner_.prepare_lion(jobs, groups);
+  }
+  void prepare_skewadam(const std::vector<kernels::ScalarJob>& jobs,
+                        const std::vector<SkewAdamGroup>& groups) override {
+    inner_.prepare_skewadam(jobs, groups);
+  }
+  void* scratch(int64_t bytes) override { return inner_.scratch(bytes); }
+  void copy(void* dst, const void* src, int64_t bytes) override { inner_.copy(dst, src, bytes); }
+  void run_statistics(const std::vector<kernels::FactorMatrix>& matrices) override {
+    inner_.run_statistics(matrices);
+  }
+  void run(const TableBatch& batch) override {
+    if (runs_++ == fail_at_) throw std::runtime_error("injected launch failure");
+    inner_.run(batch);
+  }
+
+ private:
+  kernels::emulation::HostTableRunner inner_;
+  int fail_at_;
+  int runs_ = 0;
+};
+
+TEST(PagedStateJournal, ATableStepFailingAtAnyPinIsFinishedExactlyByResuming) {
+  JournalRun reference;
+  const int32_t pages = reference.state->table().num_pages();
+  for (int step = 0; step < 3; ++step) {
+    FailingRunner runner;
+    reference.set_grads(step);
+    reference.step(&runner);
+  }
+  for (int64_t failing_pin = 0; failing_pin < pages; failing_pin += 3) {
+    JournalRun run;
+    for (int step = 0; step < 3; ++step) {
+      run.set_grads(step);
+      FailingRunner runner;
+      if (step == 1) {
+        run.store->fail_at(failing_pin);
+        EXPECT_THROW(run.step(&runner), std::runtime_error);
+        EXPECT_EQ(run.state->interrupted_step()->pages_done, failing_pin / 2 * 2);
+        run.store->fail_at(-1);
+        run.state->resume_next_step();
+        FailingRunner retry;
+        run.step(&retry);
+      } else {
+        run.step(&runner);
+      }
+    }
+    run.expect_same(reference);
+  }
+}
+
+TEST(PagedStateJournal, ARunnerErrorLeavesTheStepNotResumable) {
+  JournalRun run;
+  run.set_grads(0);
+  FailingRunner failing(1);  // the second batch
+  EXPECT_THROW(run.step(&failing), std::runtime_error);
+  const auto journal = run.state->interrupted_step();
+  ASSERT_TRUE(journal.has_value());
+  EXPECT_FALSE(journal->resumable);
+  EXPECT_EQ(journal->pages_done, 2);
+  run.state->resume_next_step();
+  FailingRunner retry;
+  EXPECT_THROW(run.step(&retry), std::logic_error);
+  run.state->discard_interrupted_step();
+  run.step(&retry);
+  EXPECT_EQ(run.steps[0], 2.0f);
+}
+
+TEST(PagedStateJournal, AResumeMustMatchAndADiscardAcceptsTheHalfStep) {
+  JournalRun run;
+  run.set_grads(0);
+  run.store->fail_at(3);
+  EXPECT_THROW(run.step(), std::runtime_error);
+  run.store->fail_at(-1);
+  // Without a journal there is nothing to resume; with one, other parameters do not match.
+  JournalRun other;
+  other.state->resume_next_step();
+  other.set_grads(0);
+  EXPECT_THROW(other.step(), std::logic_error);
+  const float step_before = run.steps[0];
+  run.slots.pop_back();
+  run.params.pop_back();
+  run.grads.pop_back();
+  run.steps.pop_back();
+  run.state->resume_next_step();
+  EXPECT_THROW(run.step(), std::invalid_argument);
+  EXPECT_EQ(run.steps[0], step_before);  // refused before anything changed
+  run.state->discard_interrupted_step();
+  EXPECT_FALSE(run.state->interrupted_step().has_value());
+  // A resume asked for and never begun (its call failed its checks) goes with the discard.
+  run.state->resume_next_step();
+  run.state->discard_interrupted_step();
+  run.step();  // a new step
+  EXPECT_EQ(run.steps[0], step_before + 1.0f);
 }
 
 }  // namespace
