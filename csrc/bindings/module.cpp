@@ -1,6 +1,7 @@
 // The pagedoptim._C extension module.
 #include <torch/extension.h>
 
+#include "bindings/simulated_backend.h"
 #include "kernels/cpu/step_kernels.h"
 
 #ifdef PAGEDOPTIM_WITH_CUDA
@@ -28,6 +29,9 @@ PYBIND11_MODULE(_C, m) {
         "Whether this build has the CUDA kernels (params on a GPU can be stepped).");
   m.def("cuda_version", [] { return 0; }, "0: this build has no CUDA kernels.");
 #endif
+  m.def("simulated_device_usage", &pagedoptim::bindings::simulated_device_usage,
+        "What the simulated device (pagedoptim.paging.simulated_device()) holds now: device "
+        "and pinned host bytes and allocations, streams, events.");
   m.def("cpu_isa", [] { return std::string(pagedoptim::kernels::cpu_kernels().isa); },
         "The ISA of the CPU kernels chosen for this machine.");
 }
