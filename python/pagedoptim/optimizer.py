@@ -970,6 +970,9 @@ def _as_real(value: Any, where: str) -> torch.Tensor:
     view, as torch.optim steps complex params)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{where} must be a Tensor, got {type(value).__name__}")
+    # What optimizer.state[p][key] = value writes is checked as a loaded stream is: a sparse
+    # tensor with indices outside its size must not be densified.
+    state_dict_checks.check_tensor(value, where)
     if value.is_sparse:
         value = value.to_dense()  # torch.optim.SGD's momentum for sparse gradients
     return torch.view_as_real(value) if value.is_complex() else value

@@ -169,6 +169,17 @@ def test_a_sparse_tensor_with_indices_outside_its_size_is_refused():
                  f"state for param 0[{key!r}]", "indices outside its size")
 
 
+def test_a_hostile_sparse_tensor_written_through_optimizer_state_is_refused():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hostile = torch.sparse_coo_tensor(torch.tensor([[1_000_000]]), torch.tensor([1.0]),
+                                          (70,), check_invariants=False)
+    opt, twin = cases.make("adamw_exact", seed=2), cases.make("adamw_exact", seed=2)
+    with pytest.raises(ValueError, match="indices outside its size"):
+        opt.state[cases.params_of(opt)[0]]["exp_avg"] = hostile
+    assert cases.snapshot(opt) == cases.snapshot(twin)
+
+
 def test_non_contiguous_and_flat_streams_load_like_contiguous_ones():
     saved = _saved("adamw_8bit")
     changed = copy.deepcopy(saved)
