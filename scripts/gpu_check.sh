@@ -37,6 +37,9 @@
 #   bench      benchmarks/gpu_step.py
 #   racecheck  compute-sanitizer racecheck and synccheck, quick cases (only if time is left)
 #   initcheck  compute-sanitizer initcheck, quick cases (optional: --with initcheck)
+#   leaks      scripts/gpu_leak_check.py: 200 create/step/close cycles per configuration
+#              (resident, offload host, offload nvme) leave torch.cuda.memory_allocated
+#              exact, descriptors exact, and RSS (pinned cudaHostAlloc memory) flat
 # A later issue adds a part by writing a function part_NAME (it gets its time limit in seconds
 # as $1 and returns 0 for pass, 3 when the machine cannot run it) and registering it below
 # with register_part; `--NAME` then selects it (e.g. --peers).
@@ -75,6 +78,7 @@ register_part fsdp2      90  30 1 1 0 "examples/fsdp2.py on NCCL, world size 1, 
 register_part paging    240  60 1 1 0 "benchmarks/gpu_paging.py: link, offloaded step, 1B, 8B"
 register_part sanitize  150  40 1 1 0 "compute-sanitizer memcheck over small cases"
 register_part bench     150  30 1 1 0 "benchmarks/gpu_step.py"
+register_part leaks      60  20 1 1 0 "scripts/gpu_leak_check.py: 200 create/step/close cycles"
 register_part racecheck 120  60 1 1 1 "compute-sanitizer racecheck + synccheck, quick cases"
 register_part initcheck 120  40 0 1 1 "compute-sanitizer initcheck, quick cases"
 
@@ -303,6 +307,10 @@ EOF
 }
 
 part_bench() { run_json_bench "$1" benchmarks/gpu_step.py bench.jsonl; }
+
+part_leaks() {
+  timeout --kill-after=15 "$1" "$PYTHON" scripts/gpu_leak_check.py
+}
 
 # -- options --------------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 // The pagedoptim._C extension module.
 #include <torch/extension.h>
 
+#include "bindings/simulated_backend.h"
 #include "kernels/cpu/step_kernels.h"
 #include "pagedoptim/io/crc32c.h"
 
@@ -41,6 +42,9 @@ PYBIND11_MODULE(_C, m) {
         pybind11::arg("data"), pybind11::arg("crc") = 0,
         "crc32c (Castagnoli) of a contiguous buffer's bytes, continuing `crc`: the page "
         "checksum, also the checkpoint records' (pagedoptim/checkpoint_stream.py).");
+  m.def("simulated_device_usage", &pagedoptim::bindings::simulated_device_usage,
+        "What the simulated device (pagedoptim.paging.simulated_device()) holds now: device "
+        "and pinned host bytes and allocations, streams, events.");
   m.def("cpu_isa", [] { return std::string(pagedoptim::kernels::cpu_kernels().isa); },
         "The ISA of the CPU kernels chosen for this machine.");
 }

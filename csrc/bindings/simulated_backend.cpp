@@ -34,6 +34,20 @@ bool on_simulated_device(optim::PagedState& state) {
   return store != nullptr && &store->device() == &simulation().device;
 }
 
+pybind11::dict simulated_device_usage() {
+  const device::SimulatedDeviceUsage usage = simulation().device.usage();
+  const std::pair<const char*, int64_t> fields[] = {
+      {"device_bytes", usage.device_bytes},
+      {"pinned_host_bytes", usage.host_bytes},
+      {"device_allocations", usage.device_allocations},
+      {"pinned_host_allocations", usage.host_allocations},
+      {"streams", usage.streams},
+      {"events", usage.events}};
+  pybind11::dict d;
+  for (const auto& [name, value] : fields) d[name] = value;
+  return d;
+}
+
 void run_on_simulated_device(optim::PagedState& state,
                              const std::function<void(optim::TableRunner&)>& step) {
   auto& store = dynamic_cast<paging::DeviceCacheStore&>(state.store());

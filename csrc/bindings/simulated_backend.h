@@ -22,6 +22,10 @@ std::unique_ptr<paging::PageStore> make_simulated_page_store(const pybind11::obj
 
 bool on_simulated_device(optim::PagedState& state);
 
+// What the process's simulated device holds now (bytes, allocations, streams, events), for
+// the leak tests: its compute stream is always one of the streams.
+pybind11::dict simulated_device_usage();
+
 // Runs `step` (a table-driver step of PagedState) on the simulated device.
 template <class Params, class Groups, class Step>
 void simulated_step(optim::PagedState& state, const Params& params, const Groups& groups,

@@ -128,12 +128,32 @@ void* SimulatedDevice::allocate_host(int64_t bytes) { return take(bytes, true); 
 void SimulatedDevice::release_host(void* memory) noexcept { give_back(memory, true); }
 
 Stream SimulatedDevice::create_stream() {
-  return new Worker(next_seed_.fetch_add(0x9E3779B97F4A7C15ull), options_.max_delay_us,
-                    options_.stall_one_in);
+  Stream stream = new Worker(next_seed_.fetch_add(0x9E3779B97F4A7C15ull),
+                             options_.max_delay_us, options_.stall_one_in);
+  ++streams_;
+  return stream;
 }
 
 void SimulatedDevice::destroy_stream(Stream stream) noexcept {
+  if (stream == nullptr) return;
   delete static_cast<Worker*>(stream);  // runs what is queued, then joins
+  --streams_;
+}
+
+SimulatedDeviceUsage SimulatedDevice::usage() {
+  SimulatedDeviceUsage usage;
+  usage.device_bytes = device_bytes_.load();
+  usage.host_bytes = host_bytes_.load();
+  usage.streams = streams_.load();
+  {
+    std::lock_guard<std::mutex> lock(memory_mutex_);
+    for (const auto& allocation : allocations_) {
+      ++(allocation.second < 0 ? usage.host_allocations : usage.device_allocations);
+    }
+  }
+  std::lock_guard<std::mutex> lock(events_mutex_);
+  usage.events = int64_t(events_.size());
+  return usage;
 }
 
 void SimulatedDevice::enqueue(Stream stream, std::function<void()> operation) {

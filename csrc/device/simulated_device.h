@@ -35,6 +35,16 @@ struct SimulatedDeviceOptions {
   int64_t host_memory_limit = -1;
 };
 
+// What a simulated device holds now: leak tests check that it returns to what it was.
+struct SimulatedDeviceUsage {
+  int64_t device_bytes = 0;
+  int64_t host_bytes = 0;  // pinned host memory
+  int64_t device_allocations = 0;
+  int64_t host_allocations = 0;
+  int64_t streams = 0;
+  int64_t events = 0;
+};
+
 class SimulatedDevice final : public Device {
  public:
   explicit SimulatedDevice(const SimulatedDeviceOptions& options = {});
@@ -63,6 +73,7 @@ class SimulatedDevice final : public Device {
 
   int64_t device_bytes() const { return device_bytes_.load(); }
   int64_t host_bytes() const { return host_bytes_.load(); }
+  SimulatedDeviceUsage usage();
 
  private:
   struct EventState;
@@ -76,6 +87,7 @@ class SimulatedDevice final : public Device {
   std::atomic<int64_t> device_bytes_{0};
   std::atomic<int64_t> host_bytes_{0};
   std::atomic<uint64_t> next_seed_;
+  std::atomic<int64_t> streams_{0};
   std::mutex memory_mutex_;
   std::vector<std::pair<void*, int64_t>> allocations_;  // memory -> bytes, both kinds
   std::mutex events_mutex_;

@@ -34,6 +34,19 @@ def as_float(value: Any, name: str) -> float:
     return float(value)
 
 
+def as_flag(value: Any, name: str) -> bool:
+    """An on/off hyperparameter (amsgrad, maximize, nesterov) as a bool. torch tests its
+    truth; here only values whose truth means on/off are taken: a string ("False" is true)
+    or a container would silently turn the flag on."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TypeError(f"{name} must be a bool, got a tensor of shape {tuple(value.shape)}")
+        return bool(value.item())
+    if not isinstance(value, (bool, int, float)) and type(value).__name__ != "bool_":
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
 def check_non_negative(value: Any, name: str) -> float:
     number = as_float(value, name)
     if math.isnan(number) or number < 0.0 or math.isinf(number):

@@ -7,7 +7,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 from pagedoptim import torch_flags
-from pagedoptim._validation import check_betas, check_non_negative
+from pagedoptim._validation import as_flag, check_betas, check_non_negative
 from pagedoptim.optimizer import PagedOptimizer
 from pagedoptim.options import PagingOptions
 from pagedoptim.state_format import Moment
@@ -77,14 +77,15 @@ class AdamW(PagedOptimizer):
         beta1, beta2 = check_betas(group["betas"])
         eps = check_non_negative(group["eps"], "eps")
         weight_decay = check_non_negative(group["weight_decay"], "weight_decay")
-        if weight_decay and not group.get("decoupled_weight_decay", True):
+        decoupled = as_flag(group.get("decoupled_weight_decay", True), "decoupled_weight_decay")
+        if weight_decay and not decoupled:
             # torch.optim.Adam's groups: its weight decay is an L2 term added to the gradient,
             # which AdamW's decoupled decay does not reproduce.
             raise ValueError("decoupled_weight_decay=False (torch.optim.Adam's L2 weight decay, "
                              f"weight_decay={weight_decay}) is not AdamW's algorithm: "
                              "pagedoptim.AdamW decouples weight decay from the gradient")
-        return (lr, beta1, beta2, eps, weight_decay, bool(group["amsgrad"]),
-                bool(group.get("maximize", False)))
+        return (lr, beta1, beta2, eps, weight_decay, as_flag(group["amsgrad"], "amsgrad"),
+                as_flag(group.get("maximize", False), "maximize"))
 
     def _group_hyperparameters(self, group: dict[str, Any]) -> tuple:
         return self._check_group(group)

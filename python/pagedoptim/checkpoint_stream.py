@@ -215,8 +215,9 @@ def load(opt: Any, path: PathLike) -> None:
             raise CheckpointError(f"{path}: {error}") from None
         _check_matches(opt, header, path)
         # The checkpoint's groups over our params, validated as load_state_dict does.
-        param_groups = [opt._loaded_group(group, dict(saved))
-                        for group, saved in zip(opt.param_groups, header.param_groups)]
+        param_groups = [opt._loaded_group(group, dict(saved), index)
+                        for index, (group, saved)
+                        in enumerate(zip(opt.param_groups, header.param_groups))]
         params = opt._indexed_params()
         # Staging: the state is loaded into a new engine while the old one is kept; only
         # when every record checked out does the optimizer keep the new one.

@@ -7,7 +7,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 from pagedoptim import torch_flags
-from pagedoptim._validation import check_betas, check_non_negative
+from pagedoptim._validation import as_flag, check_betas, check_non_negative
 from pagedoptim.optimizer import PagedOptimizer
 from pagedoptim.options import PagingOptions
 from pagedoptim.state_format import Moment
@@ -59,7 +59,7 @@ class Lion(PagedOptimizer):
         lr = check_non_negative(group["lr"], "lr")
         beta1, beta2 = check_betas(group["betas"])
         weight_decay = check_non_negative(group["weight_decay"], "weight_decay")
-        return (lr, beta1, beta2, weight_decay, bool(group.get("maximize", False)))
+        return (lr, beta1, beta2, weight_decay, as_flag(group.get("maximize", False), "maximize"))
 
     def _group_hyperparameters(self, group: dict[str, Any]) -> tuple:
         return self._check_group(group)

@@ -21,7 +21,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from pagedoptim import (checkpoint_stream, compiled_step, interrupted_step, paging, release_guard,
-                        sharded_params, state_format, state_plan, torch_flags)
+                        sharded_params, state_dict_checks, state_format, state_plan,
+                        torch_flags)
 from pagedoptim._native import native
 from pagedoptim.checkpoint_algorithms import check_algorithm
 from pagedoptim.lifecycle import ClosedState, open_only
@@ -627,6 +628,8 @@ class PagedOptimizer(torch.optim.Optimizer):
                         f"{type(self).__name__} with these hyperparameters keeps "
                         f"{[s.name for s in self._streams_of(p)]}")
                 continue
+            if spec.name == state_format.RESIDUAL and value.dtype != spec.dtype:
+                value = _rescaled_residual(value, spec.dtype, where)
             expected = state_format.expected_numel(spec, numel)
             if value.numel() != expected:
                 raise ValueError(f"{where}: '{spec.name}' has {value.numel()} elements, "
@@ -750,11 +753,13 @@ class PagedOptimizer(torch.optim.Optimizer):
         """torch's load_state_dict, hooks included. Page streams in any format convert to
         this optimizer's; if anything in the state dict is wrong, nothing is changed."""
         self.state.sync()
-        state_dict = state_dict.copy()
+        state_dict_checks.check_structure(state_dict)
+        state_dict = dict(state_dict)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        state_dict_checks.check_structure(state_dict)  # as the hooks left it
         check_algorithm(self._kind, state_dict, type(self).__name__)
         groups = self.param_groups
         saved_groups = copy.deepcopy(state_dict["param_groups"])
@@ -770,26 +775,33 @@ class PagedOptimizer(torch.optim.Optimizer):
         streams: dict[int, dict[str, torch.Tensor]] = {}
         plain: dict[torch.Tensor, dict[Any, Any]] = {}
         other: dict[Any, Any] = {}
+        moments = self._all_moments()
         for key, value in state_dict["state"].items():
             if key not in id_map:
                 other[key] = value  # not a param's state: kept as is, as torch keeps it
                 continue
             p = id_map[key]
-            own = {k: v for k, v in value.items() if k in stream_names and v is not None}
+            state_dict_checks.check_param_state(key, value, moments, stream_names,
+                                                _state_numel_global(p))
+            # Sparse streams (torch.optim.SGD's momentum for sparse gradients; their indices
+            # were checked above) are stored dense.
+            own = {k: (v.to_dense() if isinstance(v, torch.Tensor) and v.is_sparse else v)
+                   for k, v in value.items() if k in stream_names and v is not None}
             if own:
                 streams[index_of[p]] = own
             plain[p] = {k: (v if k == "step" or not isinstance(v, torch.Tensor) else
-                            torch.optim.Optimizer._process_value_according_to_param_policy(
-                                p, v, key, state_dict["param_groups"], k))
+                            _cast_like_torch(p, v, key, state_dict["param_groups"], k))
                         for k, v in value.items() if k not in stream_names}
-        param_groups = [self._loaded_group(group, saved)
-                        for group, saved in zip(groups, saved_groups)]
+        param_groups = [self._loaded_group(group, saved, index)
+                        for index, (group, saved) in enumerate(zip(groups, saved_groups))]
+        # Staged, then committed: the new state is built beside the old (a new engine, a new
+        # StateMap), and a failure puts every attribute back as it was, the old engine and
+        # its pages included, which nothing here writes to.
         before = dict(self.__dict__)
         try:
             self.param_groups = param_groups
             self._on_groups_loaded()
             self.state = StateMap(self)
-            self.state.take_over(before["state"])
             for key, value in other.items():
                 self.state[key] = value
             self._scatter_streams(streams)
@@ -799,20 +811,36 @@ class PagedOptimizer(torch.optim.Optimizer):
             self.__dict__.clear()
             self.__dict__.update(before)
             raise
+        # Only now are copies handed out from the old state stale: after a failed load
+        # they still write back into the state they were read from.
+        self.state.take_over(before["state"])
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
-    def _loaded_group(self, group: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
-        """A saved param group (a copy, changed here) over the params of our `group`, with
-        the defaults of keys it lacks; a bad hyperparameter raises."""
+    def _loaded_group(self, group: dict[str, Any], saved: dict[str, Any],
+                      index: int) -> dict[str, Any]:
+        """Loaded group `index`, `saved` (a copy, changed here), over the params of our
+        `group`, with the defaults of keys it lacks; a bad group or hyperparameter raises
+        before anything is changed."""
         saved["params"] = group["params"]
         if "param_names" in group and "param_names" not in saved:
             saved["param_names"] = group["param_names"]
         for name, default in self.defaults.items():
             saved.setdefault(name, default)
         torch_flags.normalize_loaded_group(saved, self.defaults)
-        self._group_hyperparameters(saved)
+        self._check_loaded_group(saved, group, index)
+        self._group_hyperparameters(saved)  # a bad hyperparameter raises here
         return saved
+
+    def _check_loaded_group(self, saved: dict[str, Any], group: dict[str, Any],
+                            index: int) -> None:
+        """Checks (and completes) loaded group `index`, `saved`, which replaces `group`,
+        before anything is changed. Subclasses check what their groups add."""
+        names = saved.get("param_names")
+        if names is not None and (not isinstance(names, (list, tuple))
+                                  or len(names) != len(group["params"])):
+            raise ValueError(f"loaded param_groups[{index}]['param_names'] must be a list of "
+                             f"{len(group['params'])} names (one per param), got {names!r}")
 
     def _on_groups_loaded(self) -> None:
         """New param_groups replaced the old ones (subclasses drop what they derived)."""
@@ -1009,9 +1037,38 @@ def _state_numel(p: torch.Tensor) -> int:
     return sharded_params.local_tensor(p).numel() * (2 if p.is_complex() else 1)
 
 
+def _state_numel_global(p: torch.Tensor) -> int:
+    """Elements of the whole state of p (of every shard, for a DTensor param)."""
+    return p.numel() * (2 if p.is_complex() else 1)
+
+
 def _state_shape(p: torch.Tensor) -> torch.Size:
     shape = sharded_params.local_tensor(p).shape
     return torch.Size([*shape, 2]) if p.is_complex() else shape
+
+
+def _cast_like_torch(p: torch.Tensor, value: torch.Tensor, index: Any,
+                     param_groups: list[dict[str, Any]], key: Any) -> torch.Tensor:
+    """A loaded state tensor other than a stream, cast to p's dtype and device as torch's
+    load_state_dict casts it; a cast that fails (a tensor too large to copy) names it."""
+    try:
+        return torch.optim.Optimizer._process_value_according_to_param_policy(
+            p, value, index, param_groups, key)
+    except RuntimeError as error:
+        raise ValueError(f"state for param {index!r}[{key!r}] could not be cast to its "
+                         f"param's dtype and device ({p.dtype}, {p.device}): {error}") from None
+
+
+def _rescaled_residual(value: torch.Tensor, dtype: torch.dtype, where: str) -> torch.Tensor:
+    """A master residual saved with the other master_bits, in `dtype`'s code range: the
+    residual is r / K half-ulps of the 16-bit weight, so r scales by K_new / K_old (int8 to
+    int16 exactly; int16 to int8 rounded, within the int8 residual's own error)."""
+    limits = state_dict_checks.RESIDUAL_LIMITS
+    if value.dtype not in limits:
+        raise TypeError(f"{where}: '{state_format.RESIDUAL}' must be int8 (master_bits=24) or "
+                        f"int16 (master_bits=32), got {value.dtype}")
+    scaled = value.to(torch.float64) * (limits[dtype] / limits[value.dtype])
+    return torch.round(scaled).clamp_(-limits[dtype], limits[dtype]).to(dtype)
 
 
 def _as_real(value: Any, where: str) -> torch.Tensor:
@@ -1019,6 +1076,9 @@ def _as_real(value: Any, where: str) -> torch.Tensor:
     view, as torch.optim steps complex params)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{where} must be a Tensor, got {type(value).__name__}")
+    # What optimizer.state[p][key] = value writes is checked as a loaded stream is: a sparse
+    # tensor with indices outside its size must not be densified.
+    state_dict_checks.check_tensor(value, where)
     if value.is_sparse:
         value = value.to_dense()  # torch.optim.SGD's momentum for sparse gradients
     return torch.view_as_real(value) if value.is_complex() else value

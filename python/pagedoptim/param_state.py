@@ -330,7 +330,7 @@ class StateMap(collections.defaultdict):
     def take_over(self, previous: "StateMap") -> None:
         """This map replaces `previous` (a load): copies handed out from it are stale."""
         previous.retire_all()
-        self._stale = previous._stale
+        self._stale = previous._stale + self._stale
 
     def retire_all(self) -> None:
         """After the pages changed (a step, a load): every copy handed out is stale."""

@@ -7,7 +7,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 from pagedoptim import torch_flags
-from pagedoptim._validation import check_non_negative
+from pagedoptim._validation import as_flag, check_non_negative
 from pagedoptim.optimizer import PagedOptimizer
 from pagedoptim.options import PagingOptions
 from pagedoptim.state_format import Moment
@@ -64,12 +64,12 @@ class SGD(PagedOptimizer):
         momentum = check_non_negative(group["momentum"], "momentum")
         dampening = check_non_negative(group["dampening"], "dampening")
         weight_decay = check_non_negative(group["weight_decay"], "weight_decay")
-        nesterov = bool(group["nesterov"])
+        nesterov = as_flag(group["nesterov"], "nesterov")
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening "
                              f"(got momentum={momentum}, dampening={dampening})")
         return (lr, momentum, dampening, weight_decay, nesterov,
-                bool(group.get("maximize", False)))
+                as_flag(group.get("maximize", False), "maximize"))
 
     def _group_hyperparameters(self, group: dict[str, Any]) -> tuple:
         return self._check_group(group)

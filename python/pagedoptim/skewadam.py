@@ -404,6 +404,21 @@ class SkewAdam(PagedOptimizer):
                 planned.append((_FACTOR_KIND, layout.factor_numel))
         return planned
 
+    def _check_loaded_group(self, saved: dict[str, Any], group: dict[str, Any],
+                            index: int) -> None:
+        """The loaded group's param_tiers decide its params' state layout: one valid tier
+        per param that the param's shape allows. A group saved without them keeps the
+        tiers this optimizer gave its params."""
+        super()._check_loaded_group(saved, group, index)
+        tiers = saved.setdefault("param_tiers", list(group["param_tiers"]))
+        where = f"loaded param_groups[{index}]['param_tiers']"
+        if not isinstance(tiers, (list, tuple)) or len(tiers) != len(group["params"]):
+            raise ValueError(f"{where} must be a list of {len(group['params'])} tiers (one per "
+                             f"param), got {tiers!r}")
+        for position, (p, tier) in enumerate(zip(group["params"], tiers)):
+            check_param_for_tier(p, check_tier(tier, f"{where}[{position}]"),
+                                 f"{where}[{position}]", named=True)
+
     def _on_groups_loaded(self) -> None:
         self._layouts = None
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from pagedoptim._validation import as_flag
+
 # The group entries torch's optimizers keep, with the values ours always hold.
 GROUP_FLAGS = {"foreach": None, "fused": None, "capturable": False, "differentiable": False}
 
@@ -56,7 +58,7 @@ def check_flags(optimizer_name: str, foreach: Optional[bool], fused: Optional[bo
 def normalize_loaded_group(group: dict[str, Any], defaults: dict[str, Any]) -> None:
     """A loaded param group's flags, set to what this library runs (see module doc): those
     the optimizer's defaults have, whatever the saved group said."""
-    if group.get("differentiable"):
+    if as_flag(group.get("differentiable", False), "differentiable"):
         raise ValueError("the state dict was saved by an optimizer with differentiable=True, "
                          "whose param groups pagedoptim cannot take over: its step is not "
                          "differentiable")

@@ -95,6 +95,15 @@ class DeviceCacheProperty : public ::testing::TestWithParam<Case> {
   void TearDown() override {
     store_.reset();  // before the device whose streams it uses
     device_->destroy_stream(compute_);
+    // Whatever the store took from the device (slabs, pinned buffers, copy streams,
+    // events), it gave back: what leaks here would leak per optimizer on a GPU.
+    const auto usage = device_->usage();
+    EXPECT_EQ(usage.device_bytes, 0);
+    EXPECT_EQ(usage.host_bytes, 0);
+    EXPECT_EQ(usage.device_allocations, 0);
+    EXPECT_EQ(usage.host_allocations, 0);
+    EXPECT_EQ(usage.streams, 0);
+    EXPECT_EQ(usage.events, 0);
   }
 
   // One step over `plan`: batches of pin_limit() pages, a kernel per page on the compute
