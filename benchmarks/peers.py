@@ -180,10 +180,14 @@ def start(candidate: Candidate, params: list[torch.nn.Parameter], device: torch.
 def plan_repeats(running: dict[str, Running], args) -> None:
     """Fast candidates get --repeats timed steps; one whose first step says that many would
     overrun --budget seconds gets fewer, never below --min-repeats (the first step, which
-    includes state allocation and compiling, overestimates later ones: a safe guess)."""
-    for run in running.values():
+    includes state allocation and compiling, overestimates later ones: a safe guess). The
+    baseline always gets --repeats: it is the denominator of every ratio, and a first step
+    slowed by allocating 448 tensors' state once cut it to 2 samples."""
+    for name, run in running.items():
         affordable = int(args.budget / max(run.first_step_s, 1e-9))
         run.repeats = max(args.min_repeats, min(args.repeats, affordable))
+        if name == BASELINE:
+            run.repeats = args.repeats
 
 
 def timed_rounds(running: dict[str, Running], device: torch.device, peak_ok: bool) -> None:
@@ -406,6 +410,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"comma-separated subset of {','.join(PARTS)}")
     parser.add_argument("--only", default="", help="comma-separated candidate names")
+    parser.add_argument("--workloads", default="",
+                        help="comma-separated workload names (default: all)")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps of a fast candidate")
     parser.add_argument("--min-repeats", type=int, default=3)
     parser.add_argument("--budget", type=float, default=None,
@@ -427,6 +433,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--parts: unknown {sorted(unknown)}, expected a subset of {PARTS}")
     known = {c.name for c in CANDIDATES}
     args.only = [name for name in args.only.split(",") if name]
+    args.workloads = [name for name in args.workloads.split(",") if name]
+    names = {w.name for w in workloads(args.quick)}
+    if set(args.workloads) - names:
+        parser.error(f"--workloads: unknown {sorted(set(args.workloads) - names)}, "
+                     f"expected of {sorted(names)}")
     if set(args.only) - known:
         parser.error(f"--only: unknown {sorted(set(args.only) - known)}, expected of {sorted(known)}")
     if args.min_repeats < 1 or args.repeats < args.min_repeats:
@@ -460,8 +471,10 @@ def main(argv=None) -> None:
     if "throughput" in args.parts:
         baselines = {}
         for workload in workloads(args.quick):
+            if args.workloads and workload.name not in args.workloads:
+                continue
             baselines[workload.name] = throughput(workload, runnable, device, args, peak_ok)
-        if device.type == "cuda":
+        if device.type == "cuda" and workloads(args.quick)[0].name in baselines:
             plain = workloads(args.quick)[0]
             pressured = Workload(f"{plain.name}_pressure", plain.shapes, plain.dtype)
             throughput(pressured, [c for c in runnable if c.name in PAGED], device, args,

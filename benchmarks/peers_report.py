@@ -165,7 +165,8 @@ def plot_loss(records: list[dict], path: Path) -> None:
 
     rows = [r for r in by(records, "peers_quality") if r.get("curve")]
     figure, (full, tail) = plt.subplots(1, 2, figsize=(11, 4))
-    for r in sorted(rows, key=lambda r: ordered([r["optimizer"]])):
+    order = ordered(r["optimizer"] for r in rows)
+    for r in sorted(rows, key=lambda r: (order.index(r["optimizer"]), r["workload"])):
         every = r["steps"] // len(r["curve"])
         steps = [every * (i + 1) for i in range(len(r["curve"]))]
         style = "--" if r["workload"] == "lm_bf16" else "-"
