@@ -195,6 +195,8 @@ def main() -> None:
     parser.add_argument("jsonl", type=Path)
     parser.add_argument("reruns", type=Path, nargs="*", help="throughput reruns to compare")
     parser.add_argument("--plot-dir", type=Path, default=None)
+    parser.add_argument("--plot-skip", default="",
+                        help="comma-separated workloads left out of the throughput plot")
     args = parser.parse_args()
     records = load(args.jsonl)
     reruns = [load(path) for path in args.reruns]
@@ -209,7 +211,9 @@ def main() -> None:
         import matplotlib
 
         matplotlib.use("Agg")
-        plot_throughput(records, args.plot_dir / PLOT_NAMES["throughput"])
+        left_out = set(filter(None, args.plot_skip.split(",")))
+        plot_throughput([r for r in records if r.get("workload") not in left_out],
+                        args.plot_dir / PLOT_NAMES["throughput"])
         plot_memory(records, args.plot_dir / PLOT_NAMES["memory"])
         plot_loss(records, args.plot_dir / PLOT_NAMES["loss"])
 
