@@ -32,7 +32,7 @@ One JSON line per result; every line has the 1-minute load average. A candidate 
 installed, does not run on the device, or fails on a workload gets a "peers_skipped" line with
 the reason. docs/comparison.md reads the lines (benchmarks/peers_report.py renders them).
 
-    python benchmarks/peers.py | tee peers.jsonl     # full run, about 12 minutes on 2 cores
+    python benchmarks/peers.py | tee peers.jsonl     # full run (throughput: 33 min on 2 loaded cores)
     python benchmarks/peers.py --quick               # smoke run (the test suite runs this)
     python benchmarks/peers.py --device cuda         # CUDA params (scripts/gpu_check.sh --peers)
     python benchmarks/peers.py --parts throughput    # one part
