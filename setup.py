@@ -196,6 +196,10 @@ setup(
     install_requires=["torch>=2.4"],
     # HF Trainer, PEFT and accelerate routes (pagedoptim.integrations.transformers) and the
     # examples that use them; the core never imports them.
-    extras_require={"hf": ["transformers", "peft", "accelerate"]},
+    # The optimizers benchmarks/peers.py compares with (docs/comparison.md): install deepspeed
+    # with DS_BUILD_OPS=0 (it builds its CPU Adam with ninja on first use), and keep the
+    # installed torch (pip install --no-deps, or a constraint torch==<installed>).
+    extras_require={"hf": ["transformers", "peft", "accelerate"],
+                    "peers": ["bitsandbytes>=0.45", "torchao>=0.10", "deepspeed", "ninja"]},
     zip_safe=False,
 )

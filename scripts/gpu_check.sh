@@ -14,6 +14,7 @@
 #   bench.jsonl        benchmarks/gpu_step.py's JSON lines
 #   paging.jsonl       benchmarks/gpu_paging.py's JSON lines (link, offloaded step, 1B, 8B)
 #   fsdp2.jsonl        examples/fsdp2.py on NCCL at world size 1: one JSON line per run
+#   peers.jsonl        benchmarks/peers.py --device cuda's JSON lines (only with --peers)
 #
 # Options:
 #   --only a,b     run only these parts (in their fixed order)
@@ -40,6 +41,10 @@
 #   leaks      scripts/gpu_leak_check.py: 200 create/step/close cycles per configuration
 #              (resident, offload host, offload nvme) leave torch.cuda.memory_allocated
 #              exact, descriptors exact, and RSS (pinned cudaHostAlloc memory) flat
+#   peers      benchmarks/peers.py --device cuda (optional: --peers): ours next to torch,
+#              bitsandbytes (paged too), torchao (CPU offload too) and flashoptim, with a
+#              memory-pressure workload; peers are installed from $PAGEDOPTIM_PEER_WHEELS
+#              (default shared/wheels, see docs/comparison.md), else reported skipped
 # A later issue adds a part by writing a function part_NAME (it gets its time limit in seconds
 # as $1 and returns 0 for pass, 3 when the machine cannot run it) and registering it below
 # with register_part; `--NAME` then selects it (e.g. --peers).
@@ -81,6 +86,7 @@ register_part bench     150  30 1 1 0 "benchmarks/gpu_step.py"
 register_part leaks      60  20 1 1 0 "scripts/gpu_leak_check.py: 200 create/step/close cycles"
 register_part racecheck 120  60 1 1 1 "compute-sanitizer racecheck + synccheck, quick cases"
 register_part initcheck 120  40 0 1 1 "compute-sanitizer initcheck, quick cases"
+register_part peers     300  60 0 1 1 "benchmarks/peers.py --device cuda: torch, ours, bnb, torchao, flashoptim"
 
 find_nvcc() {
   local c
@@ -310,6 +316,34 @@ part_bench() { run_json_bench "$1" benchmarks/gpu_step.py bench.jsonl; }
 
 part_leaks() {
   timeout --kill-after=15 "$1" "$PYTHON" scripts/gpu_leak_check.py
+}
+
+# The peers of docs/comparison.md. The lent machine reaches no index, so their wheels travel
+# with the working tree (pip download on a machine that has one; docs/comparison.md has the
+# command). --no-deps keeps the installed CUDA torch (and its triton, which flashoptim needs).
+# A peer whose wheel is not there stays uninstalled and peers.py prints it as skipped with the
+# reason, which does not fail the part: only peers.py failing or measuring nothing does.
+part_peers() {
+  local limit=$1 wheels=${PAGEDOPTIM_PEER_WHEELS:-$ROOT/shared/wheels} pkg args=(--device cuda)
+  [ "$QUICK" = 1 ] && args+=(--quick)
+  if [ -d "$wheels" ]; then
+    for pkg in bitsandbytes torchao flashoptim; do
+      if ls "$wheels"/"$pkg"-*.whl >/dev/null 2>&1; then
+        echo "-- installing $pkg from $wheels"
+        timeout 120 "$PYTHON" -m pip install -q --no-index --no-deps --find-links "$wheels" "$pkg" \
+          || echo "-- $pkg did not install from $wheels"
+      else
+        echo "-- no $pkg wheel in $wheels"
+      fi
+    done
+  else
+    echo "-- no wheel folder $wheels: the peers not installed here are reported skipped"
+  fi
+  timeout --kill-after=15 "$(( limit - 30 ))" "$PYTHON" benchmarks/peers.py "${args[@]}" \
+    | tee "$RESULTS/peers.jsonl"
+  local rc=${PIPESTATUS[0]}
+  grep -q '"benchmark": "peers_throughput"' "$RESULTS/peers.jsonl" || { echo "peers.py measured nothing"; return 1; }
+  return "$rc"
 }
 
 # -- options --------------------------------------------------------------------------------
