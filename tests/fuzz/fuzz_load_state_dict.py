@@ -1,5 +1,6 @@
-"""Fuzzer of PagedOptimizer.load_state_dict: a valid state_dict, mutated by the bytes of a
-fuzz input, loaded into a stepped optimizer in this process.
+"""Fuzzer of PagedOptimizer.load_state_dict (and, with --target load_checkpoint, of
+load_checkpoint): a valid state_dict, mutated by the bytes of a fuzz input (or a valid
+checkpoint file, damaged by them), loaded into a stepped optimizer in this process.
 
 What each input must show (else `check` raises FuzzFailure, and a crash ends the process):
 - load_state_dict either loads, or raises ValueError or TypeError;
@@ -21,11 +22,10 @@ With atheris installed this is coverage-guided libFuzzer (its flags apply; a cra
 failing input is written to ./crash-*, add it to the corpus). Without atheris it runs
 random inputs: `--runs N --seed S --max-seconds T`. `--replay FILE...` runs given inputs.
 
-Adding a second target (load_checkpoint, say): write `check_checkpoint(data)` that builds a
-checkpoint from `decode(data)`'s mode, applies byte-level damage, calls load_checkpoint and
-checks the same three properties; add it to TARGETS below with its own corpus directory
-(tests/fuzz/corpus/<target>/); tests/python/test_fuzz_load_state_dict.py replays and runs
-every entry of TARGETS.
+Adding a target: write a `check_*(data)` that builds its input from the bytes and checks
+the same three properties (as check_checkpoint does), add it to TARGETS below with its own
+corpus directory (tests/fuzz/corpus/<target>/); tests/python/test_fuzz_load_state_dict.py
+replays and runs every entry of TARGETS.
 """
 
 from __future__ import annotations
@@ -342,8 +342,100 @@ def check(data: bytes) -> None:
         opt.close()
 
 
-# Each fuzz target: name -> (check function, corpus directory name).
-TARGETS: dict[str, Callable[[bytes], None]] = {"load_state_dict": check}
+# -- load_checkpoint: a valid streaming checkpoint file, damaged by the input's bytes -------
+
+_VALID_FILES: dict[str, bytes] = {}
+
+
+def _valid_checkpoint(mode: str) -> bytes:
+    """The bytes of mode's save_checkpoint file (made once per process)."""
+    if mode not in _VALID_FILES:
+        import tempfile
+        opt = state_dict_cases.make(mode, seed=1)
+        with tempfile.TemporaryDirectory() as scratch:
+            path = pathlib.Path(scratch) / "checkpoint"
+            opt.save_checkpoint(path)
+            _VALID_FILES[mode] = path.read_bytes()
+        opt.close()
+    return _VALID_FILES[mode]
+
+
+def _resealed(data: bytearray) -> bytearray:
+    """`data` with its preamble-and-header crc recomputed, so that a damaged header reaches
+    the parser behind the checksum (the damage a crc cannot see: a hostile writer's file)."""
+    import struct
+
+    from pagedoptim._native import native
+    _, _, length = struct.unpack_from("<8sII", data, 0)
+    end = 16 + length
+    if end + 4 <= len(data):
+        struct.pack_into("<I", data, end, native.crc32c(bytes(data[:end]), 0))
+    return data
+
+
+def decode_checkpoint(data: bytes) -> tuple[str, bytes]:
+    """The mode and the damaged checkpoint file that `data` stands for: byte 0 picks the
+    mode, then each damage takes a kind byte and a 16-bit position (0..65535, scaled to the
+    file) and acts there: flip a bit, set a byte, truncate, insert a byte, or change a byte
+    of the JSON header and reseal its crc."""
+    reader = _Reader(data)
+    mode = reader.pick(MODE_NAMES)
+    file = bytearray(_valid_checkpoint(mode))
+    for _ in range(MAX_MUTATIONS):
+        if not reader.more() or not file:
+            break
+        kind = reader.byte() % 5
+        at = ((reader.byte() << 8) | reader.byte()) * len(file) // 65536
+        value = reader.byte()
+        if kind == 0:
+            file[at] ^= 1 << (value % 8)
+        elif kind == 1:
+            file[at] = value
+        elif kind == 2:
+            del file[at:]
+        elif kind == 3:
+            file.insert(at, value)
+        elif len(file) >= 16:
+            length = int.from_bytes(file[12:16], "little")
+            header_at = 16 + at % max(length, 1)
+            if header_at < min(16 + length, len(file)):
+                file[header_at] = value
+                file = _resealed(file)
+    return mode, bytes(file)
+
+
+def check_checkpoint(data: bytes) -> None:
+    """Loads decode_checkpoint(data) into a fresh, stepped optimizer of its mode, with the
+    properties of the module doc (CheckpointError is a ValueError)."""
+    import tempfile
+    mode, file = decode_checkpoint(data)
+    opt = state_dict_cases.make(mode, seed=2, steps=1)
+    try:
+        before = state_dict_cases.snapshot(opt)
+        with tempfile.TemporaryDirectory() as scratch, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            path = pathlib.Path(scratch) / "checkpoint"
+            path.write_bytes(file)
+            try:
+                opt.load_checkpoint(path)
+            except EXPECTED_ERRORS:
+                if state_dict_cases.snapshot(opt) != before:
+                    raise FuzzFailure(f"{mode}: a refused load_checkpoint changed the optimizer")
+            except Exception as error:
+                raise FuzzFailure(f"{mode}: load_checkpoint raised {type(error).__name__}: "
+                                  f"{error}") from error
+            try:
+                state_dict_cases.step(opt, seed=3)
+            except Exception as error:
+                raise FuzzFailure(f"{mode}: the step after load_checkpoint raised "
+                                  f"{type(error).__name__}: {error}") from error
+    finally:
+        opt.close()
+
+
+# Each fuzz target: name -> check function; its corpus is tests/fuzz/corpus/<name>/.
+TARGETS: dict[str, Callable[[bytes], None]] = {"load_state_dict": check,
+                                               "load_checkpoint": check_checkpoint}
 CORPUS = pathlib.Path(__file__).parent / "corpus"
 
 
