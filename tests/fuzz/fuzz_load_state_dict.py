@@ -316,30 +316,36 @@ def decode(data: bytes) -> tuple[str, dict[str, Any]]:
     return mode, sd
 
 
-def check(data: bytes) -> None:
-    """Loads decode(data) into a fresh, stepped optimizer of its mode: see the module doc."""
-    mode, sd = decode(data)
+def _load_and_step(mode: str, what: str, load: Callable[[Any], None]) -> None:
+    """The properties of the module doc for one load: `load(opt)` on a fresh, stepped
+    optimizer of `mode` loads or raises an expected error; a refused load leaves the
+    optimizer as it was; either way the optimizer then steps."""
     opt = state_dict_cases.make(mode, seed=2, steps=1)
     try:
         before = state_dict_cases.snapshot(opt)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                opt.load_state_dict(sd)
+                load(opt)
             except EXPECTED_ERRORS:
-                after = state_dict_cases.snapshot(opt)
-                if after != before:
-                    raise FuzzFailure(f"{mode}: a refused load changed the optimizer")
+                if state_dict_cases.snapshot(opt) != before:
+                    raise FuzzFailure(f"{mode}: a refused {what} changed the optimizer")
             except Exception as error:
-                raise FuzzFailure(f"{mode}: load_state_dict raised {type(error).__name__}: "
+                raise FuzzFailure(f"{mode}: {what} raised {type(error).__name__}: "
                                   f"{error}") from error
             try:
                 state_dict_cases.step(opt, seed=3)
             except Exception as error:
-                raise FuzzFailure(f"{mode}: the step after load_state_dict raised "
+                raise FuzzFailure(f"{mode}: the step after {what} raised "
                                   f"{type(error).__name__}: {error}") from error
     finally:
         opt.close()
+
+
+def check(data: bytes) -> None:
+    """Loads decode(data) into a fresh, stepped optimizer of its mode: see the module doc."""
+    mode, sd = decode(data)
+    _load_and_step(mode, "load_state_dict", lambda opt: opt.load_state_dict(sd))
 
 
 # -- load_checkpoint: a valid streaming checkpoint file, damaged by the input's bytes -------
@@ -409,28 +415,10 @@ def check_checkpoint(data: bytes) -> None:
     properties of the module doc (CheckpointError is a ValueError)."""
     import tempfile
     mode, file = decode_checkpoint(data)
-    opt = state_dict_cases.make(mode, seed=2, steps=1)
-    try:
-        before = state_dict_cases.snapshot(opt)
-        with tempfile.TemporaryDirectory() as scratch, warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            path = pathlib.Path(scratch) / "checkpoint"
-            path.write_bytes(file)
-            try:
-                opt.load_checkpoint(path)
-            except EXPECTED_ERRORS:
-                if state_dict_cases.snapshot(opt) != before:
-                    raise FuzzFailure(f"{mode}: a refused load_checkpoint changed the optimizer")
-            except Exception as error:
-                raise FuzzFailure(f"{mode}: load_checkpoint raised {type(error).__name__}: "
-                                  f"{error}") from error
-            try:
-                state_dict_cases.step(opt, seed=3)
-            except Exception as error:
-                raise FuzzFailure(f"{mode}: the step after load_checkpoint raised "
-                                  f"{type(error).__name__}: {error}") from error
-    finally:
-        opt.close()
+    with tempfile.TemporaryDirectory() as scratch:
+        path = pathlib.Path(scratch) / "checkpoint"
+        path.write_bytes(file)
+        _load_and_step(mode, "load_checkpoint", lambda opt: opt.load_checkpoint(path))
 
 
 # Each fuzz target: name -> check function; its corpus is tests/fuzz/corpus/<name>/.
