@@ -9,7 +9,9 @@
 // quantization groups); a group may cross rows, so its directions are filled row run by row
 // run, each run a vectorizable loop with one row coefficient.
 #include <algorithm>
+#include <type_traits>
 
+#include "kernels/cpu/companded_groups.h"
 #include "kernels/cpu/element_access.h"
 #include "kernels/cpu/skewadam_kernels.h"
 #include "pagedoptim/codec/companding.h"
@@ -25,6 +27,17 @@ namespace {
 using codec::SkewAdamScalars;
 
 constexpr int kLanes = 16;
+
+#if defined(PO_SIMD_GROUPS)
+// A row's statistics on AVX2 / AVX-512 (simd.h): the loops below with the same operations in
+// the same order, so the same bits. GCC's own vectorization of them ran at 1.5-2 cycles per
+// element, against well under one for these.
+inline simd::F load_row(const float* p) { return simd::Ops::load(p); }
+inline simd::F load_row(const uint16_t* p) { return simd::bf16_to_float(simd::Ops::load_u16(p)); }
+template <class Access>
+constexpr bool kVectorRows =
+    std::is_same_v<Access, Float32Access> || std::is_same_v<Access, BFloat16Access>;
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Phase 1: row and column statistics of one matrix.
@@ -49,11 +62,32 @@ void factor_statistics_typed(const FactorStatistics& f, const SkewAdamScalars& s
   for (int64_t i = 0; i < rows; ++i) {
     const Storage* PO_RESTRICT row = grad + i * cols;
     float lanes[kLanes] = {};
-    for (int64_t j = 0; j < full_cols; j += kLanes) {
-      for (int l = 0; l < kLanes; ++l) {
-        const float squared = codec::skewadam_squared_grad(Access::load(row, j + l), s);
-        col_sums[j + l] += squared;
-        lanes[l] += squared;
+#if defined(PO_SIMD_GROUPS)
+    if constexpr (kVectorRows<Access>) {
+      using simd::Ops;
+      constexpr int kVectors = kLanes / simd::kLanes;
+      simd::F partial[kVectors];
+      for (auto& p : partial) p = Ops::splat(0.0f);
+      const simd::F eps = Ops::splat(s.eps);
+      for (int64_t j = 0; j < full_cols; j += kLanes) {
+        for (int v = 0; v < kVectors; ++v) {
+          const int64_t c = j + v * simd::kLanes;
+          const simd::F g = load_row(row + c);
+          const simd::F squared = Ops::add(Ops::mul(g, g), eps);  // skewadam_squared_grad
+          Ops::store(col_sums + c, Ops::add(Ops::load(col_sums + c), squared));
+          partial[v] = Ops::add(partial[v], squared);
+        }
+      }
+      for (int v = 0; v < kVectors; ++v) Ops::store(lanes + v * simd::kLanes, partial[v]);
+    } else
+#endif
+    {
+      for (int64_t j = 0; j < full_cols; j += kLanes) {
+        for (int l = 0; l < kLanes; ++l) {
+          const float squared = codec::skewadam_squared_grad(Access::load(row, j + l), s);
+          col_sums[j + l] += squared;
+          lanes[l] += squared;
+        }
       }
     }
     for (int64_t j = full_cols; j < cols; ++j) {
@@ -67,7 +101,19 @@ void factor_statistics_typed(const FactorStatistics& f, const SkewAdamScalars& s
     f.row_means[i] = row_mean;
     row_mean_sum += double(row_mean);
     const float inverse_row_mean = 1.0f / row_mean;
-    for (int64_t j = 0; j < cols; ++j) {
+    int64_t weighted_end = 0;
+#if defined(PO_SIMD_GROUPS)
+    if constexpr (kVectorRows<Access>) {
+      using simd::Ops;
+      const simd::F inverse = Ops::splat(inverse_row_mean);
+      for (; weighted_end + simd::kLanes <= cols; weighted_end += simd::kLanes) {
+        const simd::F g = load_row(row + weighted_end);
+        Ops::store(weighted + weighted_end, Ops::add(Ops::load(weighted + weighted_end),
+                                                     Ops::mul(Ops::mul(g, g), inverse)));
+      }
+    }
+#endif
+    for (int64_t j = weighted_end; j < cols; ++j) {
       const float g = Access::load(row, j);
       weighted[j] += g * g * inverse_row_mean;
     }

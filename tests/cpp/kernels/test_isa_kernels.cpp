@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "emulation_util.h"
+#include "kernels/cpu/skewadam_kernels.h"
 #include "kernels/cpu/step_kernels.h"
 #include "pagedoptim/codec/float_convert.h"
 #include "pagedoptim/codec/update_rules.h"
@@ -298,6 +299,54 @@ TEST(IsaKernels, ManySeedsOfTheDefaultFormsMatch) {
         c.count = 64 * kGroupSize;
         expect_same_bits(c, 5000 + seed);
         if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+// SkewAdam's statistics: the running means, both coefficients and the per-column weighted
+// sums the clip is computed from (left in col_scratch), for fp32 and bf16 gradients, row
+// lengths with and without a tail, heavy-tailed rows (so that the clip acts) and zero rows.
+TEST(IsaKernels, SkewAdamStatisticsMatchTheBaselineByteForByte) {
+  const SkewAdamKernelTable* baseline = skewadam_kernels_for_isa("baseline");
+  ASSERT_NE(baseline, nullptr);
+  std::mt19937 rng(77);
+  std::normal_distribution<float> normal;
+  std::vector<const SkewAdamKernelTable*> tables;
+  for (const CpuKernelTable* table : vector_tables()) tables.push_back(skewadam_kernels_for_isa(table->isa));
+  for (ElementType type : {ElementType::kFloat32, ElementType::kBFloat16}) {
+    for (auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 1}, {3, 16}, {5, 37}, {64, 256}, {17, 1000}}) {
+      const int64_t n = rows * cols;
+      std::vector<uint8_t> grad(size_t(n) * (type == ElementType::kFloat32 ? 4 : 2));
+      struct Outputs {
+        std::vector<float> row_means, col_means, row_coef, col_coef, scratch;
+        bool operator==(const Outputs&) const = default;
+      };
+      const auto fresh = [&] {
+        return Outputs{std::vector<float>(size_t(rows)), std::vector<float>(size_t(cols)),
+                       std::vector<float>(size_t(rows)), std::vector<float>(size_t(cols)),
+                       std::vector<float>(size_t(cols))};
+      };
+      Outputs expected = fresh();
+      std::vector<Outputs> actual(tables.size(), fresh());
+      for (int step = 1; step <= 3; ++step) {
+        for (int64_t i = 0; i < n; ++i) {
+          const float heavy = std::pow(normal(rng), 3.0f);
+          test::store_element(grad, type, i, (i / cols) % 7 == 3 ? 0.0f : heavy * 1e-3f);
+        }
+        const auto s = codec::make_skewadam_scalars(1e-3, 0.9, 0.999, 1e-30, 0.01, step);
+        const auto run = [&](const SkewAdamKernelTable& table, Outputs& o) {
+          table.factor_statistics(FactorStatistics{grad.data(), type, rows, cols, o.row_means.data(),
+                                                   o.col_means.data(), o.row_coef.data(),
+                                                   o.col_coef.data(), o.scratch.data()},
+                                  s);
+        };
+        run(*baseline, expected);
+        for (size_t t = 0; t < tables.size(); ++t) {
+          run(*tables[t], actual[t]);
+          ASSERT_EQ(actual[t], expected) << tables[t]->isa << " " << rows << "x" << cols
+                                         << " type " << int(type) << " step " << step;
+        }
       }
     }
   }
