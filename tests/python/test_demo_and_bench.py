@@ -208,3 +208,38 @@ def test_gpu_paging_harness_runs_on_the_cpu():
     assert plan["torch_adamw_gib"] > plan["pagedoptim_8bit_resident_gib"] > \
         plan["pagedoptim_8bit_resident_release_gib"] > 0
     assert records[-1]["bench"] == "gpu_paging_targets"
+
+
+def test_compressed_throughput_reports_both_param_dtypes_and_the_targets():
+    result = run([str(REPO_ROOT / "benchmarks" / "compressed_throughput.py"), "--quick",
+                  "--no-lora"], timeout=600)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    steps = [r for r in records if r["benchmark"] == "compressed_adamw_step"]
+    assert {(r["workload"], r["optimizer"]) for r in steps} == {
+        (w, o) for w in ("1M", "bf16_1M") for o in ("ours_8bit", "ours_fp32", "torch_fused")}
+    assert {r["param_dtype"] for r in steps if r["workload"] == "bf16_1M" and
+            r["optimizer"] != "torch_fused"} == {"bfloat16"}
+    assert all(r["params_per_s"] > 0 for r in steps)
+    targets = records[-1]
+    assert targets["benchmark"] == "compressed_targets"
+    assert targets["isa"] in ("avx512", "avx2", "baseline")
+    assert targets["targets"] == {}  # the targets are judged on the 64M workloads only
+
+
+def test_paging_overlap_mode_compares_the_step_with_kernel_and_disk(tmp_path):
+    result = run([str(REPO_ROOT / "benchmarks" / "paging.py"), "--overlap", "--dir",
+                  str(tmp_path), "--overlap-params", "4e6", "--page-bytes", "65536",
+                  "--probe-mib", "8", "--repeats", "1"], timeout=600)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["bench"] for r in records] == ["disk_bandwidth", "disk_bandwidth",
+                                             "paging_overlap", "paging_overlap_targets"]
+    step = records[2]
+    assert step["cache_bytes"] <= step["state_bytes"] // 8
+    # With a cache of an eighth of the state, a step reads and writes most of it.
+    assert step["bytes_moved_per_step"] > step["state_bytes"]
+    assert step["kernel_only_step_s"] > 0 and step["paged_step_s"] > 0
+    assert set(records[3]["targets"]) == {"disk_rate_over_mixed_bandwidth",
+                                          "step_over_max_kernel_io"}
+    assert list(tmp_path.iterdir()) == []  # the page file and the probe's file are gone
