@@ -82,8 +82,6 @@ struct Ops {
   static inline I select_int(M m, I if_true, I if_false) {
     return _mm512_mask_blend_epi32(m, if_false, if_true);
   }
-  static inline bool any(M m) { return m != 0; }
-  static inline M or_mask(M a, M b) { return M(a | b); }
   static inline uint32_t reduce_max_unsigned(I a) { return _mm512_reduce_max_epu32(a); }
 
   static inline F to_float(I a) { return _mm512_cvtepi32_ps(a); }
@@ -172,8 +170,6 @@ struct Ops {
   static inline I select_int(M m, I if_true, I if_false) {
     return _mm256_blendv_epi8(if_false, if_true, m);
   }
-  static inline bool any(M m) { return !_mm256_testz_si256(m, m); }
-  static inline M or_mask(M a, M b) { return or_(a, b); }
   static inline uint32_t reduce_max_unsigned(I a) {
     __m128i x = _mm_max_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
     x = _mm_max_epu32(x, _mm_shuffle_epi32(x, _MM_SHUFFLE(1, 0, 3, 2)));
