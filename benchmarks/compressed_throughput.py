@@ -139,5 +139,6 @@ def main() -> None:
     emit({"benchmark": "compressed_targets", "isa": isa, "load_average_1m": os.getloadavg()[0],
           "targets": targets})
 
+
 if __name__ == "__main__":
     main()

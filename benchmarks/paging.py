@@ -214,13 +214,17 @@ def checkpoint_benchmark(opt, args, disk: dict) -> None:
         path.unlink(missing_ok=True)
 
 
+def chunked(numel: int, chunk: int = 1 << 27) -> list[int]:
+    """Sizes of tensors of `chunk` elements (134M: a few transformer layers each) that hold
+    `numel` in all."""
+    return [chunk] * (numel // chunk) + ([numel % chunk] if numel % chunk else [])
+
+
 def large_run(args) -> None:
     """8-bit AdamW with the split master weight over --large-params bf16 params, 4 GiB cache;
     with --checkpoint, then a streaming checkpoint of its state."""
     numel = int(float(args.large_params))
-    chunk = 1 << 27  # 134M-element tensors, like a few transformer layers each
-    sizes = [chunk] * (numel // chunk) + ([numel % chunk] if numel % chunk else [])
-    params = [torch.zeros(n, dtype=torch.bfloat16).requires_grad_() for n in sizes]
+    params = [torch.zeros(n, dtype=torch.bfloat16).requires_grad_() for n in chunked(numel)]
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
     opt = po.AdamW(params, lr=1e-4, offload="nvme", nvme_dir=args.dir,
@@ -253,11 +257,9 @@ def overlap_run(args) -> None:
     per second of step at least 0.8x of it, the step at most 1.15x max(kernel-only step,
     bytes / mixed bandwidth)."""
     numel = int(float(args.overlap_params))
-    chunk = 1 << 27
-    sizes = [chunk] * (numel // chunk) + ([numel % chunk] if numel % chunk else [])
     g = torch.Generator().manual_seed(0)
     params = [(torch.randn(n, generator=g) * 0.02).to(torch.bfloat16).requires_grad_()
-              for n in sizes]
+              for n in chunked(numel)]
     for p in params:
         p.grad = (torch.randn(p.shape, generator=g) * 1e-3).to(torch.bfloat16)
     probes = [disk_bandwidth(args.dir, args.probe_mib * MIB)]

@@ -164,6 +164,7 @@ struct Fp32Params {
 };
 
 inline F bf16_to_float(I patterns) { return Ops::from_bits(Ops::shift_left<16>(patterns)); }
+inline F load_bf16(const uint16_t* p) { return bf16_to_float(Ops::load_u16(p)); }
 
 // codec::float_to_bf16, as 16-bit patterns in 32-bit lanes.
 inline I float_to_bf16(F values) {
@@ -182,8 +183,8 @@ struct Bf16Params {
   const uint16_t* PO_RESTRICT grad;
   Bf16Params(const ParamSpan& span, const MasterResidual&)
       : param(static_cast<uint16_t*>(span.param)), grad(static_cast<const uint16_t*>(span.grad)) {}
-  inline F load_param(int64_t i) const { return bf16_to_float(Ops::load_u16(param + i)); }
-  inline F load_grad(int64_t i) const { return bf16_to_float(Ops::load_u16(grad + i)); }
+  inline F load_param(int64_t i) const { return load_bf16(param + i); }
+  inline F load_grad(int64_t i) const { return load_bf16(grad + i); }
   inline void store_param(int64_t i, F value) const {
     Ops::store_16bit(param + i, float_to_bf16(value));
   }
@@ -222,7 +223,7 @@ struct Bf16MasterParams {
     const M finite = Ops::greater_int(Ops::splat_int(0x7f800000u), magnitude);
     return Ops::from_bits(Ops::select_int(finite, Ops::or_(sign, rebuilt), bits));
   }
-  inline F load_grad(int64_t i) const { return bf16_to_float(Ops::load_u16(grad + i)); }
+  inline F load_grad(int64_t i) const { return load_bf16(grad + i); }
   inline void store_param(int64_t i, F master) const {
     const I rounded = float_to_bf16(master);
     const I master_bits = Ops::bits(master);
@@ -428,6 +429,34 @@ void momentum_groups(const Params io, int64_t groups, int8_t* PO_RESTRICT codes,
                        codes + base + k * kLanes);
       }
     }
+  }
+}
+
+// The kernels' entry points: run the span's full groups hand-vectorized when its ParamIo has a
+// vector form, and return where the generic loops take over (0 without one).
+template <class Io>
+int64_t adamw_full_groups(const ParamSpan& span, const AdamWStreams& st,
+                          const codec::AdamWScalars& s) {
+  if constexpr (!VectorParams<Io>::kAvailable) {
+    return 0;
+  } else {
+    const int64_t groups = span.count / kGroupSize;
+    adamw_groups(typename VectorParams<Io>::Type(span, st.residual), groups,
+                 static_cast<int8_t*>(st.m.values), st.m.scales,
+                 static_cast<uint8_t*>(st.v.values), st.v.scales, s);
+    return groups * kGroupSize;
+  }
+}
+
+template <class Io, class Rule, class Scalars>
+int64_t momentum_full_groups(const ParamSpan& span, const MomentumStreams& st, const Scalars& s) {
+  if constexpr (!VectorParams<Io>::kAvailable) {
+    return 0;
+  } else {
+    const int64_t groups = span.count / kGroupSize;
+    momentum_groups<Rule>(typename VectorParams<Io>::Type(span, st.residual), groups,
+                          static_cast<int8_t*>(st.m.values), st.m.scales, s);
+    return groups * kGroupSize;
   }
 }
 

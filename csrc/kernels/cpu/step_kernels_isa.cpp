@@ -89,12 +89,7 @@ void adamw_8bit_state(const ParamSpan& span, const AdamWStreams& st, const AdamW
   // Full groups run hand-vectorized where there is a vector form; the rest below.
   int64_t vectorized_end = 0;
 #if defined(PO_SIMD_GROUPS)
-  if constexpr (!kAmsgrad && simd::VectorParams<Io>::kAvailable) {
-    const int64_t full_groups = span.count / kGroupSize;
-    simd::adamw_groups(typename simd::VectorParams<Io>::Type(span, st.residual), full_groups,
-                       m_codes, st.m.scales, v_codes, st.v.scales, s);
-    vectorized_end = full_groups * kGroupSize;
-  }
+  if constexpr (!kAmsgrad) vectorized_end = simd::adamw_full_groups<Io>(span, st, s);
 #endif
   for_each_group(span.count, [&](int64_t base, auto count) {
     const int64_t group = base / kGroupSize;
@@ -200,13 +195,7 @@ void momentum_8bit_state(const ParamSpan& span, const MomentumStreams& st,
   int8_t* PO_RESTRICT codes = static_cast<int8_t*>(st.m.values);
   int64_t vectorized_end = 0;  // as in adamw_8bit_state
 #if defined(PO_SIMD_GROUPS)
-  if constexpr (simd::VectorParams<Io>::kAvailable) {
-    const int64_t full_groups = span.count / kGroupSize;
-    simd::momentum_groups<typename Rule::Vector>(
-        typename simd::VectorParams<Io>::Type(span, st.residual), full_groups, codes,
-        st.m.scales, s);
-    vectorized_end = full_groups * kGroupSize;
-  }
+  vectorized_end = simd::momentum_full_groups<Io, typename Rule::Vector>(span, st, s);
 #endif
   for_each_group(span.count, [&](int64_t base, auto count) {
     const int64_t group = base / kGroupSize;
