@@ -116,7 +116,7 @@ State make_state(const Case& c, uint32_t seed) {
   st.grad.resize(st.param.size());
   const int64_t groups = (n + kGroupSize - 1) / kGroupSize;
   std::vector<int> group_kind(static_cast<size_t>(groups));
-  for (auto& kind : group_kind) kind = rng() % 3 == 0 ? int(rng() % 10) : -1;
+  for (auto& kind : group_kind) kind = rng() % 3 == 0 ? int(rng() % 9) : -1;
   for (int64_t i = 0; i < n; ++i) {
     const int kind = group_kind[size_t(i / kGroupSize)];
     float p = normal(rng);
@@ -125,10 +125,6 @@ State make_state(const Case& c, uint32_t seed) {
     // all special (zeros, huge, tiny, mixed magnitudes).
     if (kind == 1 || kind == 2) {
       if (i % kGroupSize == 7) g = special_value(rng, kind);
-    } else if (kind == 9) {
-      // Parameters at the top of bf16's range: with their residuals, masters on both sides
-      // of 0x7f7f8000, the pattern from which bf16 rounding gives inf.
-      p = (rng() % 2 ? 1.0f : -1.0f) * (rng() % 2 ? 3.3895314e38f : 3.3762342e38f);
     } else if (kind >= 0) {
       g = special_value(rng, kind);
       if (kind == 0) p = 0.0f;
@@ -141,17 +137,6 @@ State make_state(const Case& c, uint32_t seed) {
     for (auto& b : st.residual) b = uint8_t(rng());
     if (c.residual_bits == 8) {  // split never writes -128
       for (auto& b : st.residual) b = b == 0x80 ? 0x81 : b;
-    }
-    // At the top of bf16's range, residuals near the largest push the masters to the
-    // pattern that rounds to inf and just below it.
-    for (int64_t i = 0; i < n; ++i) {
-      if (group_kind[size_t(i / kGroupSize)] != 9) continue;
-      if (c.residual_bits == 8) {
-        st.residual[size_t(i)] = uint8_t(127 - rng() % 4);
-      } else {
-        const int16_t r = int16_t(32767 - rng() % 64);
-        std::memcpy(st.residual.data() + 2 * i, &r, 2);
-      }
     }
   }
   auto fill = [&](Stream& s, bool signed_codes) {
