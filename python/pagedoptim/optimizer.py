@@ -411,6 +411,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                 "release_grads=False for gradient accumulation")
         if not self._released_this_round:
             release_guard.check_not_data_parallel()
+            release_guard.install()  # accelerate may have been imported after __init__
             self.state.sync()
         group = self._group_of(p)
         batch = _StepBatch()

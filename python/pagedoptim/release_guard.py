@@ -6,15 +6,21 @@ so two things that read gradients after backward would silently go wrong:
 - **clipping**: `clip_grad_norm_` / `clip_grad_value_` would find no gradients, clip
   nothing and report a norm of 0.0. Exact global-norm clipping needs every gradient before
   the first parameter steps, which is what release gives up. So while an optimizer with
-  release_grads is alive, torch.nn.utils' clipping functions raise when given its params and
-  a finite limit. A call with max_norm=inf (HF Trainer's way of only measuring the norm)
+  release_grads is alive, torch.nn.utils' clipping functions, and accelerate's
+  `Accelerator.clip_grad_norm_` / `clip_grad_value_`, raise when given its params and a
+  finite limit. A call with max_norm=inf (HF Trainer's way of only measuring the norm)
   changes nothing and goes through, with a warning that the norm reads 0.0.
+
+  accelerate has to be guarded on its own: its clip_grad_norm_ (which HF Trainer calls)
+  skips every parameter whose gradient is None before it reaches torch, so torch's
+  functions never see the released params at all.
 - **data parallelism**: under DDP (or any multi-rank run) the hook fires before the
   gradients are all-reduced, so each rank would step with its own gradient and the ranks
   would drift apart. The first released step in a multi-rank process raises.
 
-The clipping functions are wrapped once, when the first such optimizer is created; the
-wrapper only adds the check and calls torch's function unchanged. Code that imported the
+The clipping functions are wrapped once, when the first such optimizer is created (and,
+for accelerate, at the first released step if accelerate was imported after that); the
+wrapper only adds the check and calls the original function unchanged. Code that imported the
 function by name before that (`from torch.nn.utils import clip_grad_norm_`) keeps torch's,
 unchecked: docs/drop_in.md says so.
 """
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import warnings
 import weakref
 from typing import Any, Callable
@@ -36,7 +43,7 @@ _warned_about_norm: "weakref.WeakSet[Any]" = weakref.WeakSet()  # once per optim
 def watch(optimizer: Any) -> None:
     """Guards the clipping functions against `optimizer`'s params (release_grads=True)."""
     _watched.add(optimizer)
-    _install()
+    install()
 
 
 def check_not_data_parallel() -> None:
@@ -63,40 +70,62 @@ def _check_clip(name: str, parameters: list[torch.Tensor], limit: float) -> None
     if math.isinf(limit):
         if any(optimizer not in _warned_about_norm for optimizer in optimizers):
             _warned_about_norm.update(optimizers)
-            warnings.warn(f"torch.nn.utils.{name} measured the gradient norm of parameters "
+            warnings.warn(f"{name} measured the gradient norm of parameters "
                           "whose optimizer has release_grads=True: their gradients are "
                           "freed inside backward, so the norm reads 0.0", RuntimeWarning,
                           stacklevel=4)
         return
     raise RuntimeError(
-        f"torch.nn.utils.{name} was called on parameters of a pagedoptim optimizer with "
+        f"{name} was called on parameters of a pagedoptim optimizer with "
         "release_grads=True: their gradients were applied and freed inside backward, so "
         "clipping would find none, clip nothing and report 0.0. Turn clipping off (HF "
         "Trainer: max_grad_norm=0) or use release_grads=False")
 
 
-def _guard(original: Callable[..., Any], limit_argument: str, position: int) -> Callable[..., Any]:
+def _guard(original: Callable[..., Any], name: str, limit_argument: str,
+           is_method: bool) -> Callable[..., Any]:
+    """`original` with the clip check in front. `is_method`: original is an unbound method
+    (accelerate's), so the parameters come after `self`; the limit follows them."""
+    at = 1 if is_method else 0  # where the parameters are in the positional arguments
+
     @functools.wraps(original)
-    def guarded(parameters: Any, *args: Any, **kwargs: Any) -> Any:
-        if _watched:
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if _watched and len(args) > at:
+            args = list(args)
+            parameters = args[at]
             parameters = [parameters] if isinstance(parameters, torch.Tensor) else \
                 list(parameters)
-            limit = kwargs.get(limit_argument, args[position] if len(args) > position else None)
+            args[at] = parameters  # a generator is consumed here: pass the list on
+            limit = kwargs.get(limit_argument, args[at + 1] if len(args) > at + 1 else None)
             if limit is not None:
-                _check_clip(original.__name__, parameters, float(limit))
-        return original(parameters, *args, **kwargs)
+                _check_clip(name, parameters, float(limit))
+        return original(*args, **kwargs)
 
     guarded.__wrapped_by_pagedoptim__ = original  # type: ignore[attr-defined]
     return guarded
 
 
-def _install() -> None:
+_CLIPPING = (("clip_grad_norm_", "max_norm"), ("clip_grad_value_", "clip_value"))
+
+
+def install() -> None:
+    """Wraps the clipping functions that are not wrapped yet: torch's always, accelerate's
+    when accelerate is imported (importing it here would cost every user its start-up)."""
     utils = torch.nn.utils
-    for name, limit_argument in (("clip_grad_norm_", "max_norm"),
-                                 ("clip_grad_value_", "clip_value")):
+    for name, limit_argument in _CLIPPING:
         current = getattr(utils, name)
         if hasattr(current, "__wrapped_by_pagedoptim__"):
             continue
-        guarded = _guard(current, limit_argument, 0)
+        guarded = _guard(current, f"torch.nn.utils.{name}", limit_argument, is_method=False)
         setattr(utils, name, guarded)
         setattr(utils.clip_grad, name, guarded)
+    accelerate = sys.modules.get("accelerate")
+    accelerator = getattr(accelerate, "Accelerator", None)
+    if accelerator is None:
+        return
+    for name, limit_argument in _CLIPPING:
+        current = getattr(accelerator, name, None)
+        if current is None or hasattr(current, "__wrapped_by_pagedoptim__"):
+            continue
+        setattr(accelerator, name, _guard(current, f"Accelerator.{name}", limit_argument,
+                                          is_method=True))

@@ -335,10 +335,38 @@ def test_release_grads_without_clipping_trains_like_step(tmp_path):
 def test_trainer_release_grads_with_clipping_raises(tmp_path):
     """Plain Trainer (no pagedoptim integration) with release_grads=True and its default
     max_grad_norm=1.0 must end in a clear error, not a silently skipped clip and a logged
-    grad_norm of 0.0. Only the optimizer can see this route: expected to fail until
-    pagedoptim/optimizer.py refuses clipping under release_grads (issue 10, point 8)."""
+    grad_norm of 0.0. No pagedoptim integration sees this route: the release guard on
+    accelerate's clip_grad_norm_, which Trainer calls, refuses it (issue 10, point 8)."""
     trainer = transformers.Trainer(model=tiny_llama(), args=training_args(tmp_path),
                                    train_dataset=byte_dataset(),
                                    optimizer_cls_and_kwargs=(po.AdamW, {"release_grads": True}))
     with pytest.raises((RuntimeError, ValueError), match="(?i)clip"):
         trainer.train()
+
+
+def test_accelerate_clipping_released_gradients_raises():
+    """accelerate's clip_grad_norm_ drops every param whose gradient is None before it calls
+    torch, so torch's guarded functions never see released params: accelerate's own clipping
+    methods are guarded too, in a plain accelerate loop as under Trainer."""
+    import accelerate
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = tiny_llama()
+    model, opt = accelerator.prepare(model, po.AdamW(model.parameters(), release_grads=True))
+    batch = byte_dataset(1)[0]["input_ids"][None]
+    accelerator.backward(model(input_ids=batch, labels=batch).loss)
+    with pytest.raises(RuntimeError, match="Accelerator.clip_grad_norm_.*release_grads=True"):
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(RuntimeError, match="Accelerator.clip_grad_value_.*release_grads=True"):
+        accelerator.clip_grad_value_(model.parameters(), clip_value=0.5)
+    with pytest.warns(RuntimeWarning, match="norm reads 0.0"):
+        norm = accelerator.clip_grad_norm_(model.parameters(), float("inf"))
+    assert float(norm) == 0.0
+    opt.step()
+
+    other = torch.nn.Linear(3, 3)  # params of no released optimizer: accelerate's own clip
+    other(torch.randn(2, 3)).pow(2).sum().backward()
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in other.parameters()]))
+    norm = accelerator.clip_grad_norm_(other.parameters(), 0.1)
+    torch.testing.assert_close(norm, expected)
+    clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in other.parameters()]))
+    assert clipped <= 0.1 + 1e-6
