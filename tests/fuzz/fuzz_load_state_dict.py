@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import faulthandler
 import math
 import os
 import pathlib
@@ -443,6 +444,20 @@ def _random_inputs(seed: int, runs: int, max_seconds: float, target: Callable[[b
     return done
 
 
+def _arm_watchdog(run_seconds: float) -> None:
+    """A run still going two minutes after its time is up -- stuck between inputs or at
+    exit, where libFuzzer's -timeout (per input) does not look -- prints every thread's
+    stack and exits with an error, instead of waiting to be killed without a word."""
+    faulthandler.dump_traceback_later(run_seconds + 120, exit=True)
+
+
+def _libfuzzer_total_time(libfuzzer_args: list[str]) -> float | None:
+    for arg in libfuzzer_args:
+        if arg.startswith("-max_total_time="):
+            return float(arg.split("=", 1)[1])
+    return None
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="load_state_dict", choices=sorted(TARGETS))
@@ -461,9 +476,13 @@ def main(argv: list[str]) -> int:
         print(f"replayed {len(args.replay)} inputs")
         return 0
     if atheris is None or args.random:
+        _arm_watchdog(args.max_seconds)
         runs = _random_inputs(args.seed, args.runs, args.max_seconds, target)
         print(f"{runs} random inputs, no failure")
         return 0
+    total_time = _libfuzzer_total_time(libfuzzer_args)
+    if total_time:
+        _arm_watchdog(total_time)
     atheris.Setup([argv[0], *libfuzzer_args], target)
     atheris.Fuzz()
     return 0

@@ -28,8 +28,14 @@ TARGETS = sorted(fuzz_load_state_dict.TARGETS)
 def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT / "python"), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, str(FUZZ / "fuzz_load_state_dict.py"), *args],
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    try:
+        return subprocess.run([sys.executable, str(FUZZ / "fuzz_load_state_dict.py"), *args],
+                              env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as expired:  # what the child said is the diagnosis
+        stderr = expired.stderr.decode(errors="replace") if isinstance(expired.stderr, bytes) \
+            else (expired.stderr or "")
+        pytest.fail(f"the fuzzer's child process was still running after {timeout:.0f} s "
+                    f"(its watchdog did not fire either); it had printed:\n{stderr[-4000:]}")
 
 
 def _explain(result: subprocess.CompletedProcess) -> str:
@@ -61,12 +67,15 @@ def test_a_bounded_fuzzing_run_finds_nothing(target, tmp_path):
         scratch.mkdir()
         for path in _corpus(target):
             (scratch / path.name).write_bytes(path.read_bytes())
-        args = [f"-max_total_time={seconds}", "-rss_limit_mb=4096",
+        # -timeout: an input that runs for a minute (one takes milliseconds) is a finding,
+        # written out with the Python stack that was running it, not a stalled suite.
+        args = [f"-max_total_time={seconds}", "-timeout=60", "-rss_limit_mb=4096",
                 f"-artifact_prefix={tmp_path}/", str(scratch)]
     except ImportError:
         args = ["--max-seconds", str(seconds)]
     result = _run(["--target", target, *args], timeout=seconds + 300)
-    artifacts = sorted(p.name for p in tmp_path.glob("crash-*"))
+    artifacts = sorted(p.name for kind in ("crash", "timeout", "oom", "leak")
+                       for p in tmp_path.glob(f"{kind}-*"))
     assert result.returncode == 0 and not artifacts, (
         f"{_explain(result)}\nfailing inputs (add them to tests/fuzz/corpus/{target}/ once "
         f"fixed): {artifacts}")
