@@ -117,6 +117,14 @@ struct Ops {
   static inline void store_16bit(void* p, I a) {
     _mm256_storeu_si256(static_cast<__m256i*>(p), _mm512_cvtepi32_epi16(a));
   }
+  // The 32 8-bit values of two vectors (a group), in lane order; signed or unsigned alike.
+  template <bool kSigned>
+  static inline void store_32_8bit(void* p, const I (&v)[2]) {
+    store_8bit(p, v[0]);
+    store_8bit(static_cast<uint8_t*>(p) + kLanes, v[1]);
+  }
+
+  static inline bool any(M m) { return m != 0; }
 };
 
 #elif defined(PO_SIMD_AVX2)
@@ -221,6 +229,19 @@ struct Ops {
   static inline void store_16bit(void* p, I a) {
     _mm_storeu_si128(static_cast<__m128i*>(p), narrow_to_16bit(a));
   }
+  // The 32 8-bit values of four vectors (a group), in lane order: two saturating packs to
+  // 16 bits and one to 8 (signed for codes in [-127, 127], unsigned for [0, 255]: either
+  // keeps every value) interleave the vectors' 128-bit halves, which one permute undoes.
+  // Four operations for 32 bytes where store_8bit takes four for 8.
+  template <bool kSigned>
+  static inline void store_32_8bit(void* p, const I (&v)[4]) {
+    const I low = _mm256_packs_epi32(v[0], v[1]), high = _mm256_packs_epi32(v[2], v[3]);
+    const I bytes = kSigned ? _mm256_packs_epi16(low, high) : _mm256_packus_epi16(low, high);
+    _mm256_storeu_si256(static_cast<__m256i*>(p),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  }
+
+  static inline bool any(M m) { return _mm256_movemask_ps(_mm256_castsi256_ps(m)) != 0; }
 };
 
 #endif
