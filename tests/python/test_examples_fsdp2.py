@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -23,8 +24,13 @@ def test_the_fsdp2_example_resumes_from_its_checkpoint_exactly(tmp_path, flags):
     command = [sys.executable, str(EXAMPLE), "--steps", "4", "--nproc", "2", *flags]
     if "nvme" in flags:
         command += ["--nvme-dir", str(tmp_path)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # A rank that aborts (one CI run saw "terminate called without an active exception" and
+    # SIGABRT in rank 0, never reproduced since) prints every thread's Python stack first.
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False,
+                          env=env)
+    assert done.returncode == 0, (f"stdout:\n{done.stdout[-2000:]}\n"
+                                  f"stderr:\n{done.stderr[-6000:]}")
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [line["rank"] for line in lines] == [0, 1]
     assert all(line["resumed_matches"] and line["world_size"] == 2 for line in lines)
