@@ -466,6 +466,20 @@ void bind_paged_state(pybind11::module_& m) {
            py::arg("stream"), py::arg("offset"), py::arg("bytes"),
            "Writes `bytes` into the stream from byte `offset` on (the inverse of "
            "read_stream_range).")
+      .def("plan_stream_ranges",
+           [](PagedState& s,
+              const std::vector<std::tuple<int32_t, std::string, int64_t, int64_t>>& ranges) {
+             std::vector<PagedState::StreamRange> planned;
+             planned.reserve(ranges.size());
+             for (const auto& [slot, stream, offset, bytes] : ranges) {
+               planned.push_back({slot, stream, offset, bytes});
+             }
+             s.plan_stream_ranges(planned);
+           },
+           py::arg("ranges"),
+           "Announces the (slot, stream, offset, bytes) ranges the coming read_stream_range / "
+           "write_stream_range calls copy, in that order: a paged store reads ahead of them. "
+           "An empty list ends the plan.")
       .def("stream_bytes", &PagedState::stream_bytes, py::arg("slot"), py::arg("stream"),
            "Bytes the stream of the parameter in `slot` holds (its payload, no padding).")
       .def("memory_usage",

@@ -556,6 +556,21 @@ void PagedState::write_stream_range(int32_t slot, const std::string& stream, int
                           });
 }
 
+void PagedState::plan_stream_ranges(const std::vector<StreamRange>& ranges) {
+  // read/write_stream_range pin once per piece (PageStore::read_bytes and write_bytes), so
+  // the pieces' pages are the order of their pins. A pin of the page just pinned does not
+  // move the plan on (PlanTracker::advance_if_next), so such repeats are left out: they
+  // would only narrow the prefetch window, which counts plan positions.
+  std::vector<int32_t> pins;
+  for (const StreamRange& range : ranges) {
+    for_each_piece_of_range(range.slot, range.stream, range.offset, range.bytes,
+                            [&](int32_t page, int64_t, int64_t, int64_t) {
+                              if (pins.empty() || pins.back() != page) pins.push_back(page);
+                            });
+  }
+  store_->plan_copies(pins);
+}
+
 void PagedState::read_stream(int32_t slot, const std::string& stream, void* out) {
   read_stream_range(slot, stream, 0, stream_bytes(slot, stream), out);
 }

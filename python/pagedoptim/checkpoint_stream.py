@@ -12,9 +12,10 @@ hundred bytes per param). See docs/reliability.md, "Checkpoints".
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
-from typing import Any, Union
+from typing import Any, Iterator, Union
 
 import torch
 
@@ -93,15 +94,34 @@ def save(opt: Any, path: PathLike) -> None:
     header, engine_slots = _build_header(opt)
     buffer = torch.empty(checkpoint_format.max_payload_bytes(header), dtype=torch.uint8)
     view = memoryview(buffer.numpy())
-    with atomic_file.atomic_write(path) as handle:
+    records = [(spec, engine_slots[spec.param][spec.slot])
+               for spec in checkpoint_format.expected_records(header)]
+    with atomic_file.atomic_write(path) as handle, _reading_ahead(opt, header, records):
         checkpoint_format.write_header(handle, header)
         writer = checkpoint_format.RecordWriter(handle)
-        for spec in checkpoint_format.expected_records(header):
-            engine_slot = engine_slots[spec.param][spec.slot]
+        for spec, engine_slot in records:
             for name, offset, at, size in checkpoint_format.record_parts(header, spec):
                 opt._engine.read_stream_range(engine_slot, name, offset, buffer[at:at + size])
             writer.write(spec, view[:spec.payload_bytes])
         writer.finish()
+
+
+@contextlib.contextmanager
+def _reading_ahead(opt: Any, header: Header, records: list[tuple[Any, Any]]) -> Iterator[None]:
+    """The pages of the records, in record order, as the page store's plan while they are
+    read: a store paged to NVMe reads ahead of the copies (with the engine's prefetch depth)
+    while this thread writes the file, where it would otherwise read each page only when
+    its record reaches it. The plan ends with the save, whether it completes or raises."""
+    if opt._engine is None or not records:
+        yield
+        return
+    opt._engine.plan_stream_ranges(
+        [(engine_slot, name, offset, size) for spec, engine_slot in records
+         for name, offset, _, size in checkpoint_format.record_parts(header, spec)])
+    try:
+        yield
+    finally:
+        opt._engine.plan_stream_ranges([])
 
 
 def read_header(path: PathLike) -> Header:

@@ -141,6 +141,20 @@ class PagedState {
                          int64_t bytes, void* out);
   void write_stream_range(int32_t slot, const std::string& stream, int64_t offset,
                           int64_t bytes, const void* in);
+  // Tells the store which pages a run of read/write_stream_range calls will pin, in that
+  // order, so that a paged store reads ahead of them and writes back behind them, as in a
+  // step (a checkpoint's records otherwise read each page only when the copy reaches it).
+  // The plan is the pages of those calls' pins in order, a page pinned again later named
+  // again: a page that several records use stays wanted until its last use, where a plan
+  // naming it once would have it evicted as done and read again. An empty list ends the
+  // plan. Throws std::out_of_range, naming the range, before the store is told anything.
+  struct StreamRange {
+    int32_t slot;
+    std::string stream;
+    int64_t offset;
+    int64_t bytes;
+  };
+  void plan_stream_ranges(const std::vector<StreamRange>& ranges);
 
   // Steps that fail. A step that raises (a failed read, an interrupt at a batch boundary)
   // leaves a journal: its plan, how many of its pages are applied, and which parameters

@@ -24,6 +24,12 @@ class PageStore {
   // The plan of the coming step, in the order pages will be pinned: a store that moves
   // pages can prefetch and choose victims from it. The host store ignores it.
   virtual void plan(const std::vector<int32_t>& pages) { (void)pages; }
+  // The same for a run of read_bytes / write_bytes calls (a checkpoint's records): the
+  // pages those calls pin, in order, repeats included; an empty list ends it. Only a store
+  // whose copies pin pages of a slower tier gains from reading ahead; the others ignore it
+  // (a device cache copies its resident pages without pinning, and its plan() also learns
+  // the order of gradient-release rounds, which copies must not disturb).
+  virtual void plan_copies(const std::vector<int32_t>& pages) { (void)pages; }
   // Makes `page` resident and returns its bytes; they stay valid until the matching unpin.
   virtual std::byte* pin(int32_t page) = 0;
   // pin() for a caller that overwrites the whole page before it reads any of it (a device

@@ -82,6 +82,8 @@ class TieredPageStore final : public PageStore {
 
   void grow(int32_t num_pages) override;
   void plan(const std::vector<int32_t>& pages) override;
+  // Copies pin their pages like a step does, so their plan is followed the same way.
+  void plan_copies(const std::vector<int32_t>& pages) override { plan(pages); }
   std::byte* pin(int32_t page) override;
   // Takes a slot for the page without reading it from the tier.
   std::byte* pin_overwrite(int32_t page) override;

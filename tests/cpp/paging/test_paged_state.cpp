@@ -183,11 +183,13 @@ class PinRecordingStore final : public paging::PageStore {
     --held;
     inner_.unpin(page, dirty);
   }
+  void plan_copies(const std::vector<int32_t>& pages) override { planned.push_back(pages); }
   int32_t num_pages() const override { return inner_.num_pages(); }
   int64_t page_bytes() const override { return inner_.page_bytes(); }
   int64_t resident_bytes() const override { return inner_.resident_bytes(); }
 
   std::vector<int32_t> pinned;
+  std::vector<std::vector<int32_t>> planned;  // every plan_copies call
   int held = 0;
   int max_held = 0;
 
@@ -246,6 +248,59 @@ TEST(PagedState, ByteRangesOfAStreamTouchOnlyTheirPages) {
   EXPECT_THROW(state.read_stream_range(slot, "exp_avg_codes", -1, 1, out.data()),
                std::out_of_range);
   EXPECT_NO_THROW(state.read_stream_range(slot, "exp_avg_codes", total, 0, out.data()));
+}
+
+// A checkpoint announces its records' ranges before it copies them: the plan the store gets
+// is the pages the copies then pin, in the same order, a page pinned again right after
+// itself named once (it would not move the plan on), one pinned again later named again.
+TEST(PagedState, APlanOfStreamRangesIsThePagesTheirCopiesPin) {
+  auto store = std::make_unique<PinRecordingStore>(4096);
+  PinRecordingStore* pins = store.get();
+  PagedState state(OptimizerKind::kLion,
+                   {{{"exp_avg_codes", 32, false}, {"exp_avg_scales", 2, true}}},
+                   std::move(store));
+  state.register_param(100);
+  const int32_t slot = state.register_param(10000);
+  const int64_t codes = state.stream_bytes(slot, "exp_avg_codes");
+  const int64_t scales = state.stream_bytes(slot, "exp_avg_scales");
+  // Records of 1500 elements: each copies its codes, then its scales, as a checkpoint does.
+  std::vector<PagedState::StreamRange> ranges;
+  for (int64_t begin = 0; begin < 10000; begin += 1500) {
+    const int64_t count = std::min<int64_t>(1500, 10000 - begin);
+    ranges.push_back({slot, "exp_avg_codes", begin, count});
+    const int64_t first = begin / 32 * 2, last = std::min(scales, (begin + count + 31) / 32 * 2);
+    ranges.push_back({slot, "exp_avg_scales", first, last - first});
+  }
+  ASSERT_EQ(ranges[ranges.size() - 2].offset + ranges[ranges.size() - 2].bytes, codes);
+  state.plan_stream_ranges(ranges);
+  ASSERT_EQ(pins->planned.size(), 1u);
+  pins->pinned.clear();
+  std::vector<uint8_t> buffer(static_cast<size_t>(codes));
+  for (const PagedState::StreamRange& range : ranges) {
+    state.read_stream_range(range.slot, range.stream, range.offset, range.bytes, buffer.data());
+  }
+  std::vector<int32_t> expected;
+  for (int32_t page : pins->pinned) {
+    if (expected.empty() || expected.back() != page) expected.push_back(page);
+  }
+  EXPECT_EQ(pins->planned[0], expected);
+  // Codes and scales of one record sit on the same pages, so pages come back: the plan
+  // names a page again where the copies return to it after another.
+  std::vector<int32_t> distinct = expected;
+  std::sort(distinct.begin(), distinct.end());
+  distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+  EXPECT_GT(expected.size(), distinct.size());
+  EXPECT_GE(distinct.size(), 3u);
+
+  // A range outside its stream: nothing is planned, and the error names it.
+  pins->planned.clear();
+  ranges.push_back({slot, "exp_avg_codes", codes - 5, 6});
+  EXPECT_THROW(state.plan_stream_ranges(ranges), std::out_of_range);
+  EXPECT_TRUE(pins->planned.empty());
+  // An empty list ends the plan.
+  state.plan_stream_ranges({});
+  ASSERT_EQ(pins->planned.size(), 1u);
+  EXPECT_TRUE(pins->planned[0].empty());
 }
 
 TEST(PagedState, RejectsMismatchedParams) {
