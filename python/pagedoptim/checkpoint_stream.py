@@ -94,30 +94,34 @@ def save(opt: Any, path: PathLike) -> None:
     header, engine_slots = _build_header(opt)
     buffer = torch.empty(checkpoint_format.max_payload_bytes(header), dtype=torch.uint8)
     view = memoryview(buffer.numpy())
-    records = [(spec, engine_slots[spec.param][spec.slot])
+    # Each record with its reads: (engine slot, stream, offset in the stream, offset in the
+    # payload, bytes).
+    records = [(spec, [(engine_slots[spec.param][spec.slot], name, offset, at, size)
+                       for name, offset, at, size in checkpoint_format.record_parts(header, spec)])
                for spec in checkpoint_format.expected_records(header)]
-    with atomic_file.atomic_write(path) as handle, _reading_ahead(opt, header, records):
+    with atomic_file.atomic_write(path) as handle, _reading_ahead(opt, records):
         checkpoint_format.write_header(handle, header)
         writer = checkpoint_format.RecordWriter(handle)
-        for spec, engine_slot in records:
-            for name, offset, at, size in checkpoint_format.record_parts(header, spec):
+        for spec, reads in records:
+            for engine_slot, name, offset, at, size in reads:
                 opt._engine.read_stream_range(engine_slot, name, offset, buffer[at:at + size])
             writer.write(spec, view[:spec.payload_bytes])
         writer.finish()
 
 
 @contextlib.contextmanager
-def _reading_ahead(opt: Any, header: Header, records: list[tuple[Any, Any]]) -> Iterator[None]:
-    """The pages of the records, in record order, as the page store's plan while they are
-    read: a store paged to NVMe reads ahead of the copies (with the engine's prefetch depth)
-    while this thread writes the file, where it would otherwise read each page only when
-    its record reaches it. The plan ends with the save, whether it completes or raises."""
+def _reading_ahead(opt: Any, records: list[tuple[Any, list[tuple]]]) -> Iterator[None]:
+    """The pages of the records' reads, in record order, as the page store's plan while
+    they are read: a store paged to NVMe reads ahead of the copies (with the engine's
+    prefetch depth) while this thread writes the file, where it would otherwise read each
+    page only when its record reaches it. The plan ends with the save, whether it completes
+    or raises."""
     if opt._engine is None or not records:
         yield
         return
-    opt._engine.plan_stream_ranges(
-        [(engine_slot, name, offset, size) for spec, engine_slot in records
-         for name, offset, _, size in checkpoint_format.record_parts(header, spec)])
+    opt._engine.plan_stream_ranges([(engine_slot, name, offset, size)
+                                    for _, reads in records
+                                    for engine_slot, name, offset, _, size in reads])
     try:
         yield
     finally:

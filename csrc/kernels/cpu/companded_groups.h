@@ -447,9 +447,9 @@ void adamw_groups(const Params io, int64_t groups, int8_t* PO_RESTRICT m_codes,
     for (int b = 0; b < batch; ++b) {
       const int64_t base = (first + b) * kGroupSize;
       GroupI m_group, v_group;
-      encode_group<EncodeMoments>(m + b * kGroupSize, m_scales[base / kGroupSize], m_inverse[b],
+      encode_group<EncodeMoments>(m + b * kGroupSize, m_scales[first + b], m_inverse[b],
                                   m_group);
-      encode_group<EncodeSecondMoments>(v + b * kGroupSize, v_scales[base / kGroupSize],
+      encode_group<EncodeSecondMoments>(v + b * kGroupSize, v_scales[first + b],
                                         v_inverse[b], v_group);
       Ops::store_32_8bit<true>(m_codes + base, m_group);
       Ops::store_32_8bit<false>(v_codes + base, v_group);
@@ -532,7 +532,7 @@ void momentum_groups(const Params io, int64_t groups, int8_t* PO_RESTRICT codes,
     for (int b = 0; b < batch; ++b) {
       const int64_t base = (first + b) * kGroupSize;
       GroupI group;
-      encode_group<EncodeMoments>(m + b * kGroupSize, scales[base / kGroupSize], inverses[b],
+      encode_group<EncodeMoments>(m + b * kGroupSize, scales[first + b], inverses[b],
                                   group);
       Ops::store_32_8bit<true>(codes + base, group);
     }

@@ -197,14 +197,18 @@ class PinRecordingStore final : public paging::PageStore {
   paging::HostPageStore inner_;
 };
 
+// exp_avg_codes (1 B/element) and exp_avg_scales (2 B per group of 32) of Lion over `store`:
+// a 4 KiB page holds under 4096 elements, so 10000 elements span 3 pages or more.
+PagedState lion_codes_and_scales(std::unique_ptr<paging::PageStore> store) {
+  return PagedState(OptimizerKind::kLion,
+                    {{{"exp_avg_codes", 32, false}, {"exp_avg_scales", 2, true}}},
+                    std::move(store));
+}
+
 TEST(PagedState, ByteRangesOfAStreamTouchOnlyTheirPages) {
   auto store = std::make_unique<PinRecordingStore>(4096);
   PinRecordingStore* pins = store.get();
-  // exp_avg_codes (1 B/element) and exp_avg_scales (2 B per group of 32): a 4 KiB page
-  // holds under 4096 elements, so 10000 elements span 3 pages or more.
-  PagedState state(OptimizerKind::kLion,
-                   {{{"exp_avg_codes", 32, false}, {"exp_avg_scales", 2, true}}},
-                   std::move(store));
+  PagedState state = lion_codes_and_scales(std::move(store));
   const int32_t before = state.register_param(100);  // shares the first page
   const int32_t slot = state.register_param(10000);
   const int64_t total = state.stream_bytes(slot, "exp_avg_codes");
@@ -256,9 +260,7 @@ TEST(PagedState, ByteRangesOfAStreamTouchOnlyTheirPages) {
 TEST(PagedState, APlanOfStreamRangesIsThePagesTheirCopiesPin) {
   auto store = std::make_unique<PinRecordingStore>(4096);
   PinRecordingStore* pins = store.get();
-  PagedState state(OptimizerKind::kLion,
-                   {{{"exp_avg_codes", 32, false}, {"exp_avg_scales", 2, true}}},
-                   std::move(store));
+  PagedState state = lion_codes_and_scales(std::move(store));
   state.register_param(100);
   const int32_t slot = state.register_param(10000);
   const int64_t codes = state.stream_bytes(slot, "exp_avg_codes");
