@@ -230,16 +230,32 @@ def test_compressed_throughput_reports_both_param_dtypes_and_the_targets():
 def test_paging_overlap_mode_compares_the_step_with_kernel_and_disk(tmp_path):
     result = run([str(REPO_ROOT / "benchmarks" / "paging.py"), "--overlap", "--dir",
                   str(tmp_path), "--overlap-params", "4e6", "--page-bytes", "65536",
-                  "--probe-mib", "8", "--repeats", "1"], timeout=600)
+                  "--probe-mib", "8", "--repeats", "1", "--overlap-prefetch", "4,16",
+                  "--overlap-rounds", "2"], timeout=600)
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines()]
-    assert [r["bench"] for r in records] == ["disk_bandwidth", "disk_bandwidth",
-                                             "paging_overlap", "paging_overlap_targets"]
-    step = records[2]
-    assert step["cache_bytes"] <= step["state_bytes"] // 8
-    # With a cache of an eighth of the state, a step reads and writes most of it.
-    assert step["bytes_moved_per_step"] > step["state_bytes"]
-    assert step["kernel_only_step_s"] > 0 and step["paged_step_s"] > 0
-    assert set(records[3]["targets"]) == {"disk_rate_over_mixed_bandwidth",
-                                          "step_over_max_kernel_io"}
+    # A probe before the rounds and after each; per depth a step record and its targets;
+    # then each depth against the first, round by round.
+    assert [r["bench"] for r in records] == ["disk_bandwidth"] * 3 + [
+        "paging_overlap", "paging_overlap_targets"] * 2 + ["paging_overlap_prefetch"]
+    steps = [r for r in records if r["bench"] == "paging_overlap"]
+    assert [s["prefetch"] for s in steps] == [4, 16]
+    probes = [r["mixed_gb_per_s"] for r in records if r["bench"] == "disk_bandwidth"]
+    for step in steps:
+        assert step["rounds"] == 2
+        assert step["cache_bytes"] <= step["state_bytes"] // 8
+        # With a cache of an eighth of the state, a step reads and writes most of it.
+        assert step["bytes_moved_per_step"] > step["state_bytes"]
+        assert step["kernel_only_step_s"] > 0 and step["paged_step_s"] > 0
+        low, high = step["paged_step_s_range"]
+        assert low <= step["paged_step_s"] <= high
+        assert step["mixed_gb_per_s_best"] == pytest.approx(max(probes), rel=1e-3)
+        assert min(probes) <= step["mixed_gb_per_s_median"] <= max(probes)
+    targets = [r for r in records if r["bench"] == "paging_overlap_targets"]
+    assert [t["prefetch"] for t in targets] == [4, 16]
+    for t in targets:
+        assert set(t["targets"]) == {"disk_rate_over_mixed_bandwidth", "step_over_max_kernel_io"}
+    paired = records[-1]
+    assert (paired["prefetch"], paired["baseline_prefetch"], paired["rounds"]) == (16, 4, 2)
+    assert 0 <= paired["rounds_faster"] <= 2 and paired["step_time_ratio_median"] > 0
     assert list(tmp_path.iterdir()) == []  # the page file and the probe's file are gone
