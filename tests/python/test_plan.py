@@ -325,6 +325,25 @@ def test_measured_bench_results_drive_the_step_estimate(llama_config, tmp_path):
     assert record["bench_file"] == str(bench)
 
 
+def test_a_paged_cpu_step_is_estimated_as_the_larger_of_kernel_and_disk_time(llama_config,
+                                                                               tmp_path):
+    # The CPU pager reads and writes pages while the kernel steps resident ones, so the
+    # step takes the longer of the two, not their sum (docs/paging.md measures it).
+    bench = tmp_path / "bench.json"
+    machine_profile.save_profile({"schema": 1, "created": "test",
+                                  "disk": {"mixed_bytes_per_s": 1e8},
+                                  "steps": [{"mode": "8bit", "device": "cpu",
+                                             "params_per_s": 1e6}]}, bench)
+    record = json.loads(cli_plan("--model", str(llama_config), "--json", "--bench-file",
+                                 str(bench), "--cache-bytes", "64KiB").stdout)
+    paged = {c["name"]: c for c in record["columns"]}["pagedoptim offload=nvme"]["estimates"]
+    assert paged["kernel_seconds"] == pytest.approx(record["trainable_params"] / 1e6)
+    assert paged["io_seconds"] == pytest.approx(
+        (paged["paging_read_bytes"] + paged["paging_written_bytes"]) / 1e8)
+    assert paged["kernel_seconds"] > 0 and paged["io_seconds"] > 0
+    assert paged["step_seconds"] == max(paged["kernel_seconds"], paged["io_seconds"])
+
+
 @pytest.mark.parametrize("args,message", [
     (["--params", "seven"], "--params"),
     (["--params", "0"], "--params"),
