@@ -325,6 +325,21 @@ def test_measured_bench_results_drive_the_step_estimate(llama_config, tmp_path):
     assert record["bench_file"] == str(bench)
 
 
+@pytest.mark.parametrize("cache,prefetch", [("256KiB", 4), ("128MiB", 8), ("1GiB", 32)])
+def test_a_cpu_page_file_is_recommended_a_deeper_prefetch(cache, prefetch, llama_config,
+                                                          tmp_path):
+    # The CPU pager reads the page file as deep as its prefetch window (docs/paging.md):
+    # plan asks for 32 pages ahead, at most an eighth of the cache's pages, at least the
+    # default 4.
+    record = json.loads(cli_plan("--model", str(llama_config), "--json", "--nvme-dir",
+                                 str(tmp_path), "--cache-bytes", cache).stdout)
+    paged = {c["name"]: c for c in record["columns"]}["pagedoptim offload=nvme"]
+    assert paged["settings"]["prefetch"] == prefetch
+    assert paged["settings"]["cache_bytes"] == plan.parse_size(cache, "--cache-bytes")
+    # The settings are the optimizer's own keyword arguments.
+    po.AdamW([torch.nn.Parameter(torch.zeros(4))], **paged["settings"])
+
+
 def test_a_paged_cpu_step_is_estimated_as_the_larger_of_kernel_and_disk_time(llama_config,
                                                                                tmp_path):
     # The CPU pager reads and writes pages while the kernel steps resident ones, so the
