@@ -24,8 +24,9 @@ from typing import Any, Optional
 
 import torch
 
-from pagedoptim import machine_profile, memory_plan, model_shapes
+from pagedoptim import machine_profile, memory_plan, model_shapes, paging
 from pagedoptim.memory_plan import Column, Method, Params, TrainingShape
+from pagedoptim.options import PagingOptions
 from pagedoptim.setting_text import parse_byte_size
 
 # The smallest page cache plan recommends: MIN_CACHE_PAGES pages of 4 KiB would page too
@@ -38,8 +39,6 @@ _CACHE_ROUNDING = 2 << 20
 # every pair of runs in turn, with the same traffic. The window's slots come out of
 # the cache's budget, so plan asks for at most an eighth of it.
 _NVME_PREFETCH = 32
-_DEFAULT_PREFETCH = 4
-_DEFAULT_PAGE_BYTES = 2 << 20
 _PEER_NAME = "8-bit, no paging"
 _CLASS_NAMES = {"adamw": "AdamW", "lion": "Lion", "sgd": "SGD"}
 # torch has no Lion: its column is a plain implementation's state (one moment per param).
@@ -157,10 +156,12 @@ def _with_cache(settings: dict[str, Any], cache_bytes: int, on_gpu: bool) -> dic
     return settings
 
 
-def nvme_prefetch(cache_bytes: int, page_bytes: int = _DEFAULT_PAGE_BYTES) -> int:
+def nvme_prefetch(cache_bytes: int) -> int:
     """The prefetch depth plan recommends for a CPU optimizer paged to NVMe: 32 pages, or an
-    eighth of the cache's pages where that is fewer, never below the default."""
-    return max(_DEFAULT_PREFETCH, min(_NVME_PREFETCH, cache_bytes // page_bytes // 8))
+    eighth of the cache's pages where that is fewer, never below the default. Pages are at
+    most paging.DEFAULT_PAGE_BYTES (choose_page_bytes), so the count is never too high."""
+    pages = cache_bytes // paging.DEFAULT_PAGE_BYTES
+    return max(PagingOptions.prefetch, min(_NVME_PREFETCH, pages // 8))
 
 
 def _step_mode(column: Column, params: Params) -> Optional[str]:
