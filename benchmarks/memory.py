@@ -40,10 +40,8 @@ import argparse
 import json
 import os
 import resource
-import subprocess
-import sys
 
-from utils import emit
+from utils import emit, run_child
 
 CONFIGS = {
     "torch_adamw_fp32": dict(optimizer="torch", dtype="float32"),
@@ -149,10 +147,7 @@ def main() -> None:
     if args.mmap_threshold is not None:
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     for name in args.config or list(CONFIGS):
-        result = subprocess.run([sys.executable, __file__, "--child", name,
-                                 "--layers", str(args.layers)],
-                                check=True, capture_output=True, text=True, env=env)
-        record = json.loads(result.stdout.strip().splitlines()[-1])
+        record = run_child(__file__, ["--child", name, "--layers", str(args.layers)], env=env)
         record["malloc_mmap_threshold"] = args.mmap_threshold
         emit(record)
 

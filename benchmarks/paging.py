@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -36,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pagedoptim as po  # noqa: E402
 from pagedoptim._native import native  # noqa: E402
-from utils import emit, significant, time_interleaved  # noqa: E402
+from utils import emit, run_child, significant, time_interleaved  # noqa: E402
 
 MIB = 1 << 20
 
@@ -289,14 +287,11 @@ def overlap_child(args) -> None:
 
 
 def run_overlap_child(args, depth: int, cache_bytes: int) -> dict:
-    command = [sys.executable, __file__, "--overlap-child", "--dir", args.dir,
-               "--overlap-params", str(args.overlap_params), "--page-bytes", str(args.page_bytes),
-               "--prefetch", str(depth), "--repeats", str(args.repeats),
-               "--overlap-cache-bytes", str(cache_bytes)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"the prefetch={depth} step process failed:\n{done.stderr}")
-    return json.loads(done.stdout.splitlines()[-1])
+    return run_child(__file__, ["--overlap-child", "--dir", args.dir,
+                                "--overlap-params", str(args.overlap_params),
+                                "--page-bytes", str(args.page_bytes), "--prefetch", str(depth),
+                                "--repeats", str(args.repeats),
+                                "--overlap-cache-bytes", str(cache_bytes)])
 
 
 def overlap_run(args) -> None:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
-from collections.abc import Mapping
-from typing import Any, TextIO
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional, TextIO
 
 # The timing and bandwidth helpers live in the package, where `python -m pagedoptim bench`
 # uses them too; the scripts here import them from this module as before.
@@ -32,3 +33,14 @@ def emit(record: Mapping[str, Any], stream: TextIO = sys.stdout) -> None:
     """Print one result as one JSON line and flush, so partial runs still leave results."""
     stream.write(json.dumps(dict(record)) + "\n")
     stream.flush()
+
+
+def run_child(script: str, arguments: Sequence[str], env: Optional[Mapping[str, str]] = None) -> dict:
+    """Runs `script` under this Python as a child process and returns the JSON record on the
+    last line of its output. Benchmarks measure in a fresh process what must not share one
+    (an allocator's heap, a paged optimizer's disk). A failed child raises with its stderr."""
+    done = subprocess.run([sys.executable, script, *arguments], capture_output=True, text=True,
+                          check=False, env=None if env is None else dict(env))
+    if done.returncode != 0:
+        raise RuntimeError(f"{script} {' '.join(arguments)} failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
