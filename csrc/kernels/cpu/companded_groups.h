@@ -26,7 +26,13 @@
 //   - the bf16 master split takes a shorter integer form when the group's masters all round
 //     to finite bf16 values (Bf16MasterParams::store_params).
 // Together, in cache on Zen 3 (AVX2, interleaved in one process): fp32 params 1.27 -> 1.15
-// ns per element, bf16 with the 8-bit residual 2.58 -> 1.68.
+// ns per element, bf16 with the 8-bit residual 2.58 -> 1.68. Then, on another Zen 3 VM
+// (single thread, 1M elements, builds run in turn, three pairs each):
+//   - AdamW takes one square root of the new v for both its denominator and v's encode
+//     (a group with a zero v code takes a second, see adamw_groups);
+//   - on AVX2, bf16 masters are joined and split outside the update loop
+//     (Bf16MasterParams::kStageMasters).
+// fp32 params 1.45 -> 1.20 ns per element, bf16 with the 8-bit residual 2.12 -> 1.72.
 //
 // Every lane evaluates exactly the scalar expressions of codec/companding.h,
 // codec/update_rules.h and codec/master_split.h, in the same order, with the same IEEE
@@ -42,6 +48,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/cpu/element_access.h"
 #include "pagedoptim/codec/companding.h"
@@ -83,26 +90,16 @@ inline I scale_at_least(I bits, F magnitude) {
                          Ops::splat_int(codec::kScaleNaN));
 }
 
-// A batch's new scales from its keys (moment_order_bits / second_moment_order_bits maxima),
+// A batch's new scales from its keys, the largest magnitude patterns of its groups (first
+// moments: codec::moment_order_bits; second moments: the patterns of sqrt(v), see ScaleKey),
 // as fp16 patterns and as codec::scale_reciprocal of their values.
-template <bool kSecondMoment>
 inline void scales_from_keys(const uint32_t* PO_RESTRICT keys, int groups,
                              uint16_t* PO_RESTRICT scales, float* PO_RESTRICT inverses) {
   alignas(64) uint32_t patterns[kBatchGroups];
   for (int g = 0; g < kBatchGroups; g += kLanes) {
     I key;
     std::memcpy(&key, keys + g, sizeof(key));
-    I pattern;
-    if constexpr (kSecondMoment) {
-      // codec::second_moment_scale_from_bits: the scale of sqrt(v); keys of inf, NaN and
-      // negative values are >= 0x7f800000 and give NaN.
-      const M finite = Ops::less_unsigned(key, Ops::splat_int(0x7f800000u));
-      const F root = Ops::sqrt(Ops::from_bits(Ops::select_int(finite, key, Ops::splat_int(0))));
-      pattern = Ops::select_int(finite, scale_at_least(Ops::bits(root), root),
-                                Ops::splat_int(codec::kScaleNaN));
-    } else {
-      pattern = scale_at_least(key, Ops::from_bits(key));
-    }
+    const I pattern = scale_at_least(key, Ops::from_bits(key));
     std::memcpy(patterns + g, &pattern, sizeof(pattern));
   }
   alignas(64) uint16_t narrow[kBatchGroups];
@@ -151,11 +148,11 @@ inline I encode_moments(F values, F inverse_scale) {
   return Ops::round_to_int(code);
 }
 
-// codec::encode_second_moment, as codes in 32-bit lanes.
+// codec::encode_second_moment, as codes in 32-bit lanes, of the second moments' square roots
+// (the update computes them, see adamw_groups).
 template <bool kClamp>
-inline I encode_second_moments(F values, F inverse_scale) {
-  F code = Ops::mul(Ops::mul(Ops::sqrt(values), inverse_scale),
-                    Ops::splat(codec::kSecondMomentCodeMax));
+inline I encode_second_moments(F roots, F inverse_scale) {
+  F code = Ops::mul(Ops::mul(roots, inverse_scale), Ops::splat(codec::kSecondMomentCodeMax));
   if constexpr (kClamp) {
     code = Ops::min(code, Ops::splat(codec::kSecondMomentCodeMax));
     code = Ops::max(code, Ops::splat(0.0f));
@@ -188,14 +185,26 @@ struct EncodeSecondMoments {
   }
 };
 
+// Whether a group's 8-bit codes include a zero (AVX2's byte compare, which AVX-512 machines
+// have too).
+static_assert(kGroupSize == 32, "a group's codes are one 256-bit load");
+inline bool group_has_zero_code(const uint8_t* codes) {
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
+  return _mm256_movemask_epi8(_mm256_cmpeq_epi8(bytes, _mm256_setzero_si256())) != 0;
+}
+
 // The running key of a group's scale, a lane at a time, and its maximum.
 //   First moments: codec::moment_order_bits, the magnitude's pattern.
-//   AdamW's new second moments: the pattern itself. codec::second_moment_order_bits maps
-//     a value below -0 to all ones and -0 to 0, but the update never produces either: it is
-//     fma((1 - beta2) * g, g, v * beta2) with v = root * root >= +0 (or NaN), beta2 >= 0 and
-//     (1 - beta2) > 0, a sum of two products that are each +0 or more (or NaN). So the
-//     patterns are those of non-negative values and NaNs, and a maximum at or above
-//     0x7f800000 means a NaN scale either way (a negative NaN's pattern included).
+//   AdamW's new second moments: the pattern of sqrt(v). The codec's key is v's own
+//     (second_moment_order_bits) and its scale that of sqrt(largest v); the two agree:
+//     - the update never produces a value below -0, nor -0 itself (which the codec's key
+//       maps to all ones and to 0): it is fma((1 - beta2) * g, g, v * beta2) with
+//       v = root * root >= +0 (or NaN), beta2 >= 0 and (1 - beta2) > 0, a sum of two
+//       products that are each +0 or more (or NaN);
+//     - a correctly rounded sqrt is monotonic, so the largest root is the root of the
+//       largest v, and the patterns of non-negative floats order as their values;
+//     - inf and NaN v have roots at or above 0x7f800000 (a negative NaN's pattern too), and
+//       keys there give a NaN scale either way.
 template <bool kAdamWSecondMoment>
 struct ScaleKey {
   I largest = Ops::splat_int(0);
@@ -212,7 +221,17 @@ struct ScaleKey {
 // ---------------------------------------------------------------------------------------------
 // Parameters and gradients as fp32 vectors, per storage (the vector forms of element_access.h).
 
-struct Fp32Params {
+// A kernel steps a batch of groups through `Params::begin_batch`, which returns the object
+// that loads and stores the batch's parameters, and `end_batch`, which writes them back.
+// Parameters that are fp32 vectors where they lie (fp32, plain bf16) are that object
+// themselves; Bf16MasterParams stages its masters (see there).
+template <class Self>
+struct InPlaceBatch {
+  inline Self begin_batch(int64_t, int, float*) const { return static_cast<const Self&>(*this); }
+  inline void end_batch(int64_t, int, const float*) const {}
+};
+
+struct Fp32Params : InPlaceBatch<Fp32Params> {
   float* PO_RESTRICT param;
   const float* PO_RESTRICT grad;
   Fp32Params(const ParamSpan& span, const MasterResidual&)
@@ -239,7 +258,7 @@ inline I float_to_bf16(F values) {
   return Ops::select_int(is_nan, quieted, rounded);
 }
 
-struct Bf16Params {
+struct Bf16Params : InPlaceBatch<Bf16Params> {
   uint16_t* PO_RESTRICT param;
   const uint16_t* PO_RESTRICT grad;
   Bf16Params(const ParamSpan& span, const MasterResidual&)
@@ -254,9 +273,19 @@ struct Bf16Params {
 };
 
 // A bf16 parameter plus its master residual (codec::join_master_bf16, split_master_bf16).
+//
+// The join and the split take about as many operations as the update itself, with constants
+// of their own. Inside the update loop they leave AVX2's 16 registers short: its loop for a
+// group of 32 was 432 instructions, 91 of them stack loads and stores (objdump of the
+// build). So on AVX2 a batch's masters are joined into an L1 buffer in a loop of their own
+// (begin_batch), the update reads and writes them there (StagedMasters), and a second loop
+// splits them back (end_batch). Each element goes through the same operations either way.
+// AVX-512's 32 registers hold the join and the split inside the update loop, where they
+// cost no extra loads and stores, so there the batch is the params themselves.
 template <class Residual>
 struct Bf16MasterParams {
   static constexpr float kScale = codec::ResidualTraits<Residual>::kScale;
+  static constexpr bool kStageMasters = kLanes == 8;
   uint16_t* PO_RESTRICT param;
   Residual* PO_RESTRICT residual;
   const uint16_t* PO_RESTRICT grad;
@@ -265,6 +294,47 @@ struct Bf16MasterParams {
         residual(static_cast<Residual*>(master.values)),
         grad(static_cast<const uint16_t*>(span.grad)) {}
 
+  // The fp32 masters of a batch whose first element is `first`, in `masters`.
+  struct StagedMasters {
+    float* PO_RESTRICT masters;
+    int64_t first;
+    const uint16_t* PO_RESTRICT grad;
+    inline F load_param(int64_t i) const { return Ops::load(masters + (i - first)); }
+    inline F load_grad(int64_t i) const { return load_bf16(grad + i); }
+    inline void store_params(int64_t i, const GroupF& values) const {
+      for (int k = 0; k < kVectorsPerGroup; ++k) {
+        Ops::store(masters + (i - first) + k * kLanes, values[k]);
+      }
+    }
+  };
+
+  // `staging` holds kBatchGroups groups.
+  inline auto begin_batch(int64_t first, int groups, float* PO_RESTRICT staging) const {
+    if constexpr (kStageMasters) {
+      for (int64_t j = 0; j < int64_t(groups) * kGroupSize; j += kLanes) {
+        Ops::store(staging + j, load_param(first + j));
+      }
+      return StagedMasters{staging, first, grad};
+    } else {
+      return *this;
+    }
+  }
+
+  inline void end_batch(int64_t first, int groups, const float* PO_RESTRICT staging) const {
+    if constexpr (kStageMasters) {
+      for (int g = 0; g < groups; ++g) {
+        GroupF masters;
+        for (int k = 0; k < kVectorsPerGroup; ++k) {
+          masters[k] = Ops::load(staging + g * kGroupSize + k * kLanes);
+        }
+        store_params(first + int64_t(g) * kGroupSize, masters);
+      }
+    }
+  }
+
+  inline F load_grad(int64_t i) const { return load_bf16(grad + i); }
+
+  // codec::join_master_bf16 of one vector.
   inline F load_param(int64_t i) const {
     const I bits = Ops::shift_left<16>(Ops::load_u16(param + i));
     const I sign = Ops::and_(bits, Ops::splat_int(0x80000000u));
@@ -277,7 +347,6 @@ struct Bf16MasterParams {
     const M finite = Ops::greater_int(Ops::splat_int(0x7f800000u), magnitude);
     return Ops::from_bits(Ops::select_int(finite, Ops::or_(sign, rebuilt), bits));
   }
-  inline F load_grad(int64_t i) const { return load_bf16(grad + i); }
 
   // codec::split_master_bf16 of a group. When every master rounds to a finite bf16 (the
   // case training is in) the split takes fewer operations, with the same results:
@@ -396,12 +465,14 @@ void adamw_groups(const Params io, int64_t groups, int8_t* PO_RESTRICT m_codes,
   const F one_minus_beta2 = Ops::splat(s.one_minus_beta2), beta2 = Ops::splat(s.beta2);
   const F neg_scaled_step = Ops::splat(s.neg_scaled_step), scaled_eps = Ops::splat(s.scaled_eps);
   const Lerp lerp(s.one_minus_beta1);
-  alignas(64) float m[kBatchGroups * kGroupSize], v[kBatchGroups * kGroupSize];
+  alignas(64) float m[kBatchGroups * kGroupSize], v_roots[kBatchGroups * kGroupSize];
   alignas(64) float m_decode[kBatchGroups], v_decode[kBatchGroups];
   alignas(64) float m_inverse[kBatchGroups], v_inverse[kBatchGroups];
   alignas(64) uint32_t m_keys[kBatchGroups], v_keys[kBatchGroups];
+  alignas(64) float staging[kBatchGroups * kGroupSize];
   for (int64_t first = 0; first < groups; first += kBatchGroups) {
     const int batch = int(std::min<int64_t>(kBatchGroups, groups - first));
+    const auto batch_io = io.begin_batch(first * kGroupSize, batch, staging);
     decode_scales(m_scales + first, batch, m_decode);
     decode_scales(v_scales + first, batch, v_decode);
     for (int b = 0; b < batch; ++b) {
@@ -410,46 +481,61 @@ void adamw_groups(const Params io, int64_t groups, int8_t* PO_RESTRICT m_codes,
       const float v_scale_value = v_decode[b];
       const F v_root_step = Ops::splat(v_scale_value * (1.0f / codec::kSecondMomentCodeMax));
       const F v_root_cap = Ops::splat(v_scale_value);
-      const F v_zero_denominator =
-          Ops::splat(codec::decode_second_moment_for_denominator(0, v_scale_value));
       ScaleKey<false> m_key;
       ScaleKey<true> v_key;
       GroupF params;
-      for (int k = 0; k < kVectorsPerGroup; ++k) {
-        const int64_t i = base + k * kLanes;
-        F moment = decode_moments(m_codes + i, m_scale);
-        const F v_code = Ops::to_float(Ops::load_u8(v_codes + i));
-        const F root = Ops::min(Ops::mul(v_code, v_root_step), v_root_cap);
-        F second = Ops::mul(root, root);
-        const F denominator_second =
-            Ops::select(Ops::equal(v_code, Ops::splat(0.0f)), v_zero_denominator, second);
+      // The denominator decodes v as the state does except at code 0
+      // (codec::decode_second_moment_for_denominator), so elsewhere its square root is the
+      // new v's, which the encode needs too: one square root instead of two. Only a group
+      // with a zero code takes the second.
+      const auto update = [&](auto has_zero_code) {
+        for (int k = 0; k < kVectorsPerGroup; ++k) {
+          const int64_t i = base + k * kLanes;
+          F moment = decode_moments(m_codes + i, m_scale);
+          const F v_code = Ops::to_float(Ops::load_u8(v_codes + i));
+          const F root = Ops::min(Ops::mul(v_code, v_root_step), v_root_cap);
 
-        const F grad = Ops::mul(io.load_grad(i), grad_sign);
-        F param = Ops::mul(io.load_param(i), decay);
-        moment = lerp(moment, grad);
-        const F grad_term = Ops::mul(one_minus_beta2, grad);
-        second = Ops::fma(grad_term, grad, Ops::mul(second, beta2));
-        const F denominator_moment =
-            Ops::fma(grad_term, grad, Ops::mul(denominator_second, beta2));
-        params[k] = Ops::add(param, Ops::div(Ops::mul(neg_scaled_step, moment),
-                                             Ops::add(Ops::sqrt(denominator_moment), scaled_eps)));
-        Ops::store(m + b * kGroupSize + k * kLanes, moment);
-        Ops::store(v + b * kGroupSize + k * kLanes, second);
-        m_key.add(moment);
-        v_key.add(second);
+          const F grad = Ops::mul(batch_io.load_grad(i), grad_sign);
+          F param = Ops::mul(batch_io.load_param(i), decay);
+          moment = lerp(moment, grad);
+          const F grad_term = Ops::mul(one_minus_beta2, grad);
+          const F new_root =
+              Ops::sqrt(Ops::fma(grad_term, grad, Ops::mul(Ops::mul(root, root), beta2)));
+          F denominator_root = new_root;
+          if constexpr (decltype(has_zero_code)::value) {
+            const F zero_code_second = Ops::splat(
+                codec::decode_second_moment_for_denominator(0, v_scale_value));
+            denominator_root = Ops::select(
+                Ops::equal(v_code, Ops::splat(0.0f)),
+                Ops::sqrt(Ops::fma(grad_term, grad, Ops::mul(zero_code_second, beta2))),
+                new_root);
+          }
+          params[k] = Ops::add(param, Ops::div(Ops::mul(neg_scaled_step, moment),
+                                               Ops::add(denominator_root, scaled_eps)));
+          Ops::store(m + b * kGroupSize + k * kLanes, moment);
+          Ops::store(v_roots + b * kGroupSize + k * kLanes, new_root);
+          m_key.add(moment);
+          v_key.add(new_root);
+        }
+      };
+      if (group_has_zero_code(v_codes + base)) {
+        update(std::true_type{});
+      } else {
+        update(std::false_type{});
       }
-      io.store_params(base, params);
+      batch_io.store_params(base, params);
       m_keys[b] = m_key.reduce();
       v_keys[b] = v_key.reduce();
     }
-    scales_from_keys<false>(m_keys, batch, m_scales + first, m_inverse);
-    scales_from_keys<true>(v_keys, batch, v_scales + first, v_inverse);
+    io.end_batch(first * kGroupSize, batch, staging);
+    scales_from_keys(m_keys, batch, m_scales + first, m_inverse);
+    scales_from_keys(v_keys, batch, v_scales + first, v_inverse);
     for (int b = 0; b < batch; ++b) {
       const int64_t base = (first + b) * kGroupSize;
       GroupI m_group, v_group;
       encode_group<EncodeMoments>(m + b * kGroupSize, m_scales[first + b], m_inverse[b],
                                   m_group);
-      encode_group<EncodeSecondMoments>(v + b * kGroupSize, v_scales[first + b],
+      encode_group<EncodeSecondMoments>(v_roots + b * kGroupSize, v_scales[first + b],
                                         v_inverse[b], v_group);
       Ops::store_32_8bit<true>(m_codes + base, m_group);
       Ops::store_32_8bit<false>(v_codes + base, v_group);
@@ -509,8 +595,10 @@ void momentum_groups(const Params io, int64_t groups, int8_t* PO_RESTRICT codes,
   alignas(64) float m[kBatchGroups * kGroupSize];
   alignas(64) float decoded[kBatchGroups], inverses[kBatchGroups];
   alignas(64) uint32_t keys[kBatchGroups];
+  alignas(64) float staging[kBatchGroups * kGroupSize];
   for (int64_t first = 0; first < groups; first += kBatchGroups) {
     const int batch = int(std::min<int64_t>(kBatchGroups, groups - first));
+    const auto batch_io = io.begin_batch(first * kGroupSize, batch, staging);
     decode_scales(scales + first, batch, decoded);
     for (int b = 0; b < batch; ++b) {
       const int64_t base = (first + b) * kGroupSize;
@@ -520,15 +608,16 @@ void momentum_groups(const Params io, int64_t groups, int8_t* PO_RESTRICT codes,
       for (int k = 0; k < kVectorsPerGroup; ++k) {
         const int64_t i = base + k * kLanes;
         F moment = decode_moments(codes + i, scale);
-        params[k] = io.load_param(i);
-        Rule::apply(params[k], io.load_grad(i), moment, s);
+        params[k] = batch_io.load_param(i);
+        Rule::apply(params[k], batch_io.load_grad(i), moment, s);
         Ops::store(m + b * kGroupSize + k * kLanes, moment);
         key.add(moment);
       }
-      io.store_params(base, params);
+      batch_io.store_params(base, params);
       keys[b] = key.reduce();
     }
-    scales_from_keys<false>(keys, batch, scales + first, inverses);
+    io.end_batch(first * kGroupSize, batch, staging);
+    scales_from_keys(keys, batch, scales + first, inverses);
     for (int b = 0; b < batch; ++b) {
       const int64_t base = (first + b) * kGroupSize;
       GroupI group;
