@@ -22,7 +22,7 @@
 //   - a group's codes and 8-bit residuals are stored with one set of packs for the group
 //     (Ops::store_32_8bit), a quarter of the shuffles of per-vector stores on AVX2;
 //   - a group whose scale bounds it encodes without the clamps (scale_bounds_its_group);
-//   - AdamW's second-moment key is the pattern itself (ScaleKey);
+//   - AdamW's second-moment key is the unmasked pattern of sqrt(v) (ScaleKey);
 //   - the bf16 master split takes a shorter integer form when the group's masters all round
 //     to finite bf16 values (Bf16MasterParams::store_params).
 // Together, in cache on Zen 3 (AVX2, interleaved in one process): fp32 params 1.27 -> 1.15
@@ -193,7 +193,8 @@ inline bool group_has_zero_code(const uint8_t* codes) {
   return _mm256_movemask_epi8(_mm256_cmpeq_epi8(bytes, _mm256_setzero_si256())) != 0;
 }
 
-// The running key of a group's scale, a lane at a time, and its maximum.
+// The running key of a group's scale, a lane at a time, and its maximum. kNonNegativeOrNaN:
+// the values are +0 or more, or NaN, so their patterns need no mask.
 //   First moments: codec::moment_order_bits, the magnitude's pattern.
 //   AdamW's new second moments: the pattern of sqrt(v). The codec's key is v's own
 //     (second_moment_order_bits) and its scale that of sqrt(largest v); the two agree:
@@ -205,11 +206,11 @@ inline bool group_has_zero_code(const uint8_t* codes) {
 //       largest v, and the patterns of non-negative floats order as their values;
 //     - inf and NaN v have roots at or above 0x7f800000 (a negative NaN's pattern too), and
 //       keys there give a NaN scale either way.
-template <bool kAdamWSecondMoment>
+template <bool kNonNegativeOrNaN>
 struct ScaleKey {
   I largest = Ops::splat_int(0);
   inline void add(F values) {
-    if constexpr (kAdamWSecondMoment) {
+    if constexpr (kNonNegativeOrNaN) {
       largest = Ops::max_unsigned(largest, Ops::bits(values));
     } else {
       largest = Ops::max_unsigned(largest, Ops::and_(Ops::bits(values), Ops::splat_int(0x7fffffffu)));
@@ -223,8 +224,8 @@ struct ScaleKey {
 
 // A kernel steps a batch of groups through `Params::begin_batch`, which returns the object
 // that loads and stores the batch's parameters, and `end_batch`, which writes them back.
-// Parameters that are fp32 vectors where they lie (fp32, plain bf16) are that object
-// themselves; Bf16MasterParams stages its masters (see there).
+// Parameters that load and store in place (fp32, plain bf16) are that object themselves;
+// Bf16MasterParams stages its masters where registers are short (see there).
 template <class Self>
 struct InPlaceBatch {
   inline Self begin_batch(int64_t, int, float*) const { return static_cast<const Self&>(*this); }
@@ -285,7 +286,7 @@ struct Bf16Params : InPlaceBatch<Bf16Params> {
 template <class Residual>
 struct Bf16MasterParams {
   static constexpr float kScale = codec::ResidualTraits<Residual>::kScale;
-  static constexpr bool kStageMasters = kLanes == 8;
+  static constexpr bool kStageMasters = Ops::kRegisters < 32;
   uint16_t* PO_RESTRICT param;
   Residual* PO_RESTRICT residual;
   const uint16_t* PO_RESTRICT grad;
@@ -481,6 +482,8 @@ void adamw_groups(const Params io, int64_t groups, int8_t* PO_RESTRICT m_codes,
       const float v_scale_value = v_decode[b];
       const F v_root_step = Ops::splat(v_scale_value * (1.0f / codec::kSecondMomentCodeMax));
       const F v_root_cap = Ops::splat(v_scale_value);
+      const F zero_code_second =
+          Ops::splat(codec::decode_second_moment_for_denominator(0, v_scale_value));
       ScaleKey<false> m_key;
       ScaleKey<true> v_key;
       GroupF params;
@@ -503,8 +506,6 @@ void adamw_groups(const Params io, int64_t groups, int8_t* PO_RESTRICT m_codes,
               Ops::sqrt(Ops::fma(grad_term, grad, Ops::mul(Ops::mul(root, root), beta2)));
           F denominator_root = new_root;
           if constexpr (decltype(has_zero_code)::value) {
-            const F zero_code_second = Ops::splat(
-                codec::decode_second_moment_for_denominator(0, v_scale_value));
             denominator_root = Ops::select(
                 Ops::equal(v_code, Ops::splat(0.0f)),
                 Ops::sqrt(Ops::fma(grad_term, grad, Ops::mul(zero_code_second, beta2))),
