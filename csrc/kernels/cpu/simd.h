@@ -83,6 +83,12 @@ struct Ops {
   static inline I select_int(M m, I if_true, I if_false) {
     return _mm512_mask_blend_epi32(m, if_false, if_true);
   }
+  // `value` negated in the lanes where `sign_source` is negative. Callers pass a value that
+  // is 0 wherever the source is 0 (AVX2's psignd zeroes those lanes, this keeps them).
+  static inline I negate_where_negative(I value, I sign_source) {
+    return _mm512_mask_sub_epi32(value, _mm512_movepi32_mask(sign_source), _mm512_setzero_si512(),
+                                 value);
+  }
   static inline uint32_t reduce_max_unsigned(I a) { return _mm512_reduce_max_epu32(a); }
 
   static inline F to_float(I a) { return _mm512_cvtepi32_ps(a); }
@@ -123,6 +129,12 @@ struct Ops {
   static inline void store_32_8bit(void* p, const I (&v)[2]) {
     store_8bit(p, v[0]);
     store_8bit(static_cast<uint8_t*>(p) + kLanes, v[1]);
+  }
+  // The 32 16-bit values of two vectors (a group), in lane order; signed or unsigned alike.
+  template <bool kSigned>
+  static inline void store_32_16bit(void* p, const I (&v)[2]) {
+    store_16bit(p, v[0]);
+    store_16bit(static_cast<uint16_t*>(p) + kLanes, v[1]);
   }
 
   static inline bool any(M m) { return m != 0; }
@@ -179,6 +191,11 @@ struct Ops {
   }
   static inline I select_int(M m, I if_true, I if_false) {
     return _mm256_blendv_epi8(if_false, if_true, m);
+  }
+  // `value` negated in the lanes where `sign_source` is negative; psignd also zeroes the
+  // lanes where the source is 0, so callers pass a value that is 0 there.
+  static inline I negate_where_negative(I value, I sign_source) {
+    return _mm256_sign_epi32(value, sign_source);
   }
   static inline uint32_t reduce_max_unsigned(I a) {
     __m128i x = _mm_max_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
@@ -241,6 +258,19 @@ struct Ops {
     const I bytes = kSigned ? _mm256_packs_epi16(low, high) : _mm256_packus_epi16(low, high);
     _mm256_storeu_si256(static_cast<__m256i*>(p),
                         _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  }
+
+  // The 32 16-bit values of four vectors (a group), in lane order: a saturating pack per pair
+  // (signed for [-32768, 32767], unsigned for [0, 65535]: either keeps every value)
+  // interleaves the pair's 128-bit halves, which one permute per pair undoes. Four
+  // operations for 64 bytes where store_16bit takes eight.
+  template <bool kSigned>
+  static inline void store_32_16bit(void* p, const I (&v)[4]) {
+    const I low = kSigned ? _mm256_packs_epi32(v[0], v[1]) : _mm256_packus_epi32(v[0], v[1]);
+    const I high = kSigned ? _mm256_packs_epi32(v[2], v[3]) : _mm256_packus_epi32(v[2], v[3]);
+    __m256i* out = static_cast<__m256i*>(p);
+    _mm256_storeu_si256(out, _mm256_permute4x64_epi64(low, _MM_SHUFFLE(3, 1, 2, 0)));
+    _mm256_storeu_si256(out + 1, _mm256_permute4x64_epi64(high, _MM_SHUFFLE(3, 1, 2, 0)));
   }
 
   static inline bool any(M m) { return _mm256_movemask_ps(_mm256_castsi256_ps(m)) != 0; }
