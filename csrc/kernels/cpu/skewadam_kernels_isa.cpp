@@ -165,15 +165,89 @@ inline void store_momentum(const MomentStream& m, int64_t base, int count, const
   }
 }
 
+#if defined(PO_SIMD_GROUPS)
+// Full groups [0, groups) of a factored parameter without momentum (the experts tier, most of
+// a MoE model's weights): codec::skewadam_factored_direction and skewadam_factored_element a
+// vector at a time, in the batches of companded_groups.h's parameter types (which join and
+// split bf16 masters). A group inside one row takes the row's coefficient as a splat and its
+// column coefficients as a load; one that crosses a row's end (rows that are not a multiple of
+// a group, or a span that starts inside one) first copies each lane's two coefficients into
+// arrays. Each lane computes (g * row) * col, then p * decay + (-lr) * u, as the scalar code.
+template <class Params>
+void factored_groups(const Params io, int64_t groups, const SkewAdamFactoredStreams& st,
+                     const SkewAdamScalars& scalars) {
+  using simd::F;
+  using simd::Ops;
+  constexpr int kVectors = simd::kVectorsPerGroup;
+  const F decay = Ops::splat(scalars.decay), neg_lr = Ops::splat(-scalars.lr);
+  const float* PO_RESTRICT row_coefs = st.row_coef;
+  const float* PO_RESTRICT col_coefs = st.col_coef;
+  const int64_t rows = st.rows, cols = st.cols;
+  // Cursor of the group's first element: its row over all experts and its column.
+  int64_t row = st.first_element / cols;
+  int64_t col = st.first_element - row * cols;
+  alignas(64) float staging[simd::kBatchGroups * kGroupSize];
+  for (int64_t first = 0; first < groups; first += simd::kBatchGroups) {
+    const int batch = int(std::min<int64_t>(simd::kBatchGroups, groups - first));
+    const auto batch_io = io.begin_batch(first * kGroupSize, batch, staging);
+    for (int b = 0; b < batch; ++b) {
+      const int64_t base = (first + b) * kGroupSize;
+      simd::GroupF params;
+      const auto update = [&](int k, F row_coef, F col_coef) {
+        const int64_t i = base + k * simd::kLanes;
+        const F direction = Ops::mul(Ops::mul(batch_io.load_grad(i), row_coef), col_coef);
+        params[k] = Ops::add(Ops::mul(batch_io.load_param(i), decay), Ops::mul(neg_lr, direction));
+      };
+      if (col + kGroupSize <= cols) {
+        const F row_coef = Ops::splat(row_coefs[row]);
+        const float* PO_RESTRICT col_coef = col_coefs + (row / rows) * cols + col;
+        for (int k = 0; k < kVectors; ++k) {
+          update(k, row_coef, Ops::load(col_coef + k * simd::kLanes));
+        }
+        col += kGroupSize;
+      } else {
+        alignas(64) float row_lanes[kGroupSize], col_lanes[kGroupSize];
+        for (int t = 0; t < kGroupSize; ++t) {
+          row_lanes[t] = row_coefs[row];
+          col_lanes[t] = col_coefs[(row / rows) * cols + col];
+          if (++col == cols) {
+            col = 0;
+            ++row;
+          }
+        }
+        for (int k = 0; k < kVectors; ++k) {
+          update(k, Ops::load(row_lanes + k * simd::kLanes),
+                 Ops::load(col_lanes + k * simd::kLanes));
+        }
+      }
+      if (col == cols) {
+        col = 0;
+        ++row;
+      }
+      batch_io.store_params(base, params);
+    }
+    io.end_batch(first * kGroupSize, batch, staging);
+  }
+}
+#endif
+
 template <class Io, bool kMomentum, bool kQuantized>
 void factored_state(const ParamSpan& span, const SkewAdamFactoredStreams& st,
                     const SkewAdamScalars& s) {
   const Io io(span, st.residual);
   const int64_t n = span.count;
+  int64_t start = 0;
+#if defined(PO_SIMD_GROUPS)
+  if constexpr (!kMomentum && simd::VectorParams<Io>::kAvailable) {
+    const int64_t groups = n / kGroupSize;
+    factored_groups(typename simd::VectorParams<Io>::Type(span, st.residual), groups, st, s);
+    start = groups * kGroupSize;
+  }
+#endif
   // Cursor of the element at `base`: its row over all experts (expert * rows + row) and column.
-  int64_t row = st.first_element / st.cols;
-  int64_t col = st.first_element - row * st.cols;
-  for (int64_t base = 0; base < n; base += kGroupSize) {
+  int64_t row = (st.first_element + start) / st.cols;
+  int64_t col = (st.first_element + start) - row * st.cols;
+  for (int64_t base = start; base < n; base += kGroupSize) {
     const int count = int(std::min<int64_t>(kGroupSize, n - base));
     float u[kGroupSize];
     for (int k = 0; k < count;) {

@@ -16,6 +16,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -400,6 +401,62 @@ TEST(IsaKernels, SkewAdamStatisticsMatchTheBaselineByteForByte) {
           run(*tables[t], actual[t]);
           ASSERT_EQ(actual[t], expected) << tables[t]->isa << " " << rows << "x" << cols
                                          << " type " << int(type) << " step " << step;
+        }
+      }
+    }
+  }
+}
+
+// SkewAdam's factored update without momentum (the experts tier), whose full groups have a
+// vector form: every param form with its residual, the special values of make_state, several
+// experts (each with its column coefficients), rows shorter than a group, longer and not a
+// multiple of it, and spans that start inside a row.
+TEST(IsaKernels, SkewAdamFactoredUpdateMatchesTheBaselineByteForByte) {
+  const SkewAdamKernelTable* baseline = skewadam_kernels_for_isa("baseline");
+  ASSERT_NE(baseline, nullptr);
+  std::mt19937 rng(91);
+  std::uniform_real_distribution<float> coefficient(0.05f, 20.0f);
+  uint32_t seed = 500;
+  for (const CpuKernelTable* vector_table : vector_tables()) {
+    const SkewAdamKernelTable* table = skewadam_kernels_for_isa(vector_table->isa);
+    ASSERT_NE(table, nullptr);
+    for (const ParamForm form : kParamForms) {
+      for (auto [experts, rows, cols] : {std::tuple<int64_t, int64_t, int64_t>{1, 3, 16},
+                                         {2, 5, 37}, {3, 4, 64}, {2, 3, 1000}}) {
+        const int64_t total = experts * rows * cols;
+        for (const int64_t first_element : {int64_t(0), int64_t(7), 2 * cols + 3}) {
+          Case c{Optimizer::kAdamW, form.type, form.residual_bits, 8};
+          c.count = total - first_element;
+          std::vector<float> row_coef(size_t(experts * rows)), col_coef(size_t(experts * cols));
+          for (float& x : row_coef) x = rng() % 9 == 0 ? 0.0f : coefficient(rng);
+          for (float& x : col_coef) x = coefficient(rng);
+          State expected_state = make_state(c, seed++);
+          State actual_state = expected_state;
+          const auto run = [&](const SkewAdamKernelTable& t, State& st, int step) {
+            const ParamSpan span{st.param.data(), st.grad.data(), c.count, c.type};
+            SkewAdamFactoredStreams streams;
+            streams.residual.values = st.residual.empty() ? nullptr : st.residual.data();
+            streams.residual.bits = c.residual_bits;
+            streams.row_coef = row_coef.data();
+            streams.col_coef = col_coef.data();
+            streams.rows = rows;
+            streams.cols = cols;
+            streams.first_element = first_element;
+            t.factored(span, streams,
+                       codec::make_skewadam_scalars(1e-3, 0.9, 0.999, 1e-30, 0.01, step));
+          };
+          for (int step = 1; step <= 2; ++step) {
+            run(*baseline, expected_state, step);
+            run(*table, actual_state, step);
+            const State expected = comparable(expected_state, c);
+            const State actual = comparable(actual_state, c);
+            ASSERT_EQ(actual.param, expected.param)
+                << table->isa << " " << experts << "x" << rows << "x" << cols << " from "
+                << first_element << " step " << step << " " << c.name();
+            ASSERT_EQ(actual.residual, expected.residual)
+                << table->isa << " " << experts << "x" << rows << "x" << cols << " from "
+                << first_element << " step " << step << " " << c.name();
+          }
         }
       }
     }
