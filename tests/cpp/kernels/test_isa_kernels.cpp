@@ -108,6 +108,23 @@ float special_value(std::mt19937& rng, int kind) {
   }
 }
 
+// 16-bit param patterns at the edges of their format: the smallest and largest subnormal,
+// the smallest normal and the largest finite, then the specials 0, inf and NaN. The master
+// join has a short form for groups of finite nonzero params only; groups of the first four
+// reach its lower and upper edges, a group with one special among them its check, and groups
+// of any edge the general join.
+enum class Edges { kFiniteNonzero, kSpecial, kAny };
+
+uint16_t edge_pattern(std::mt19937& rng, ElementType type, Edges edges) {
+  constexpr uint16_t kBf16Edges[] = {0x0001, 0x007f, 0x0080, 0x7f7f, 0x0000, 0x7f80, 0x7fc0};
+  constexpr uint16_t kFp16Edges[] = {0x0001, 0x03ff, 0x0400, 0x7bff, 0x0000, 0x7c00, 0x7e00};
+  const uint16_t* patterns = type == ElementType::kBFloat16 ? kBf16Edges : kFp16Edges;
+  const uint32_t pick = edges == Edges::kFiniteNonzero ? rng() % 4
+                        : edges == Edges::kSpecial     ? 4 + rng() % 3
+                                                       : rng() % 7;
+  return uint16_t(patterns[pick] | (rng() % 2 ? 0x8000 : 0x0000));
+}
+
 State make_state(const Case& c, uint32_t seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal;
@@ -118,7 +135,7 @@ State make_state(const Case& c, uint32_t seed) {
   st.grad.resize(st.param.size());
   const int64_t groups = (n + kGroupSize - 1) / kGroupSize;
   std::vector<int> group_kind(static_cast<size_t>(groups));
-  for (auto& kind : group_kind) kind = rng() % 3 == 0 ? int(rng() % 10) : -1;
+  for (auto& kind : group_kind) kind = rng() % 3 == 0 ? int(rng() % 11) : -1;
   for (int64_t i = 0; i < n; ++i) {
     const int kind = group_kind[size_t(i / kGroupSize)];
     float p = normal(rng);
@@ -131,28 +148,48 @@ State make_state(const Case& c, uint32_t seed) {
       // Parameters at the top of bf16's range: with their residuals, masters on both sides
       // of 0x7f7f8000, the pattern from which bf16 rounding gives inf.
       p = (rng() % 2 ? 1.0f : -1.0f) * (rng() % 2 ? 3.3895314e38f : 3.3762342e38f);
+    } else if (kind == 10) {
+      // 16-bit params at their format's edges (below, after the parameter is stored).
     } else if (kind >= 0) {
       g = special_value(rng, kind);
       if (kind == 0) p = 0.0f;
     }
     test::store_element(st.param, c.type, i + c.misalign, p);
     test::store_element(st.grad, c.type, i + c.misalign, g);
+    // Edge groups take turns: finite nonzero edges among ordinary params, the same with one
+    // special in lane 5, or an edge in every lane.
+    if (kind == 10 && width == 2) {
+      const int64_t turn = (i / kGroupSize) % 3;
+      const Edges edges = turn == 2 ? Edges::kAny
+                          : turn == 1 && i % kGroupSize == 5 ? Edges::kSpecial
+                                                              : Edges::kFiniteNonzero;
+      if (edges != Edges::kFiniteNonzero || rng() % 2 == 0) {
+        const uint16_t pattern = edge_pattern(rng, c.type, edges);
+        std::memcpy(st.param.data() + 2 * (i + c.misalign), &pattern, 2);
+      }
+    }
   }
   if (c.residual_bits) {
     st.residual.resize(size_t(n * c.residual_bits / 8));
     for (auto& b : st.residual) b = uint8_t(rng());
-    if (c.residual_bits == 8) {  // split never writes -128
+    if (c.residual_bits == 8) {  // split never writes -128, load_state_dict refuses it
       for (auto& b : st.residual) b = b == 0x80 ? 0x81 : b;
     }
     // At the top of bf16's range, residuals near the largest push the masters to the
-    // pattern that rounds to inf and just below it.
+    // pattern that rounds to inf and just below it. Edge patterns get residuals at the
+    // ends of [-K, K] (what load_state_dict admits), 0 and one step either side of it.
     for (int64_t i = 0; i < n; ++i) {
-      if (group_kind[size_t(i / kGroupSize)] != 9) continue;
+      const int kind = group_kind[size_t(i / kGroupSize)];
+      if (kind != 9 && kind != 10) continue;
+      const int32_t top = c.residual_bits == 8 ? 127 : 32767;
+      const int32_t edge_residuals[] = {top, -top, 0, 1, -1};
+      const int32_t r = kind == 9 ? top - int32_t(rng() % (c.residual_bits == 8 ? 4 : 64))
+                                  : edge_residuals[rng() % 5];
       if (c.residual_bits == 8) {
-        st.residual[size_t(i)] = uint8_t(127 - rng() % 4);
+        st.residual[size_t(i)] = uint8_t(int8_t(r));
       } else {
-        const int16_t r = int16_t(32767 - rng() % 64);
-        std::memcpy(st.residual.data() + 2 * i, &r, 2);
+        const int16_t r16 = int16_t(r);
+        std::memcpy(st.residual.data() + 2 * i, &r16, 2);
       }
     }
   }
