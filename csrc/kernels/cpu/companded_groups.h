@@ -24,8 +24,7 @@
 //   - a group whose scale bounds it encodes without the clamps (scale_bounds_its_group);
 //   - AdamW's second-moment key is the unmasked pattern of sqrt(v) (ScaleKey);
 //   - the bf16 master split takes a shorter integer form when the group's masters all round
-//     to finite bf16 values (Bf16MasterParams::store_params), and the join when the group's
-//     parameters are all finite and nonzero (join_finite_nonzero).
+//     to finite bf16 values (Bf16MasterParams::store_params).
 // Together, in cache on Zen 3 (AVX2, interleaved in one process): fp32 params 1.27 -> 1.15
 // ns per element, bf16 with the 8-bit residual 2.58 -> 1.68. Then, on another Zen 3 VM
 // (single thread, 1M elements, builds run in turn, three pairs each):
@@ -34,9 +33,11 @@
 //   - on AVX2, bf16 masters are joined and split outside the update loop
 //     (Bf16MasterParams::kStageMasters).
 // fp32 params 1.45 -> 1.20 ns per element, bf16 with the 8-bit residual 2.12 -> 1.72.
-// Then (a fourth Zen 3 VM, same measure, four triples): the short join, psignd for the
-// residual's sign and 16-bit stores a group at a time took bf16 with the 8-bit residual from
-// 1.71-1.84 to 1.56-1.71 ns per element.
+// Then (a fourth Zen 3 VM, same measure, four triples): on AVX2, a short join for groups
+// whose parameters are all finite and nonzero (join_finite_nonzero, in the staging pass);
+// and on both ISAs, one sign transfer for the split's residual (psignd on AVX2) and 16-bit
+// stores a group at a time. bf16 with the 8-bit residual went from 1.71-1.84 to 1.56-1.71
+// ns per element.
 //
 // Every lane evaluates exactly the scalar expressions of codec/companding.h,
 // codec/update_rules.h and codec/master_split.h, in the same order, with the same IEEE
@@ -385,8 +386,9 @@ struct Bf16MasterParams {
   //     the difference of their magnitudes' (the scalar code's `offset`), and it lies in
   //     [-2^15, 2^15]: the ratio's clamp to [-1, 1] never binds;
   //   - offset * 2^-15 is exact and negation commutes with every rounding here, so the code
-  //     is offset, negated for a negative master, times K * 2^-15, rounded (a +-0 master has
-  //     offset 0, which negate_where_negative requires).
+  //     is offset, negated for a negative master, times K * 2^-15, rounded (the one master
+  //     with pattern 0, +0, has offset 0, as negate_where_negative requires of a lane whose
+  //     sign source is 0).
   inline void store_params(int64_t i, const GroupF& masters) const {
     GroupI codes;
     I largest_magnitude = Ops::splat_int(0);
@@ -424,7 +426,7 @@ struct Bf16MasterParams {
 
  private:
   // Whether every bf16 parameter of the group at `p` is finite and not +-0, a magnitude
-  // pattern in [1, 0x7f7f] (AVX2's 16-bit operations, which AVX-512 machines have too):
+  // pattern in [1, 0x7f7f], in AVX2's 16-bit operations (only the AVX2 staging pass asks):
   // x - 1 wraps a zero magnitude to 0xffff, and saturating (x - 1) - 0x7f7e is 0 exactly for
   // x in [1, 0x7f7f].
   static inline bool group_is_finite_nonzero(const uint16_t* p) {

@@ -7,7 +7,10 @@
 // factor_statistics_typed), as reading a large gradient twice costs more than the math.
 // The elementwise kernels walk their span in groups of kGroupSize (the 8-bit momentum's
 // quantization groups); a group may cross rows, so its directions are filled row run by row
-// run, each run a vectorizable loop with one row coefficient.
+// run, each run a vectorizable loop with one row coefficient. On AVX2 and AVX-512 the full
+// groups of the experts tier (no momentum) instead go a vector at a time through
+// companded_groups.h's parameter types (factored_groups); its tail and every other variant
+// take the row-run loop.
 #include <algorithm>
 #include <type_traits>
 
@@ -205,6 +208,10 @@ void factored_groups(const Params io, int64_t groups, const SkewAdamFactoredStre
           update(k, row_coef, Ops::load(col_coef + k * simd::kLanes));
         }
         col += kGroupSize;
+        if (col == cols) {
+          col = 0;
+          ++row;
+        }
       } else {
         alignas(64) float row_lanes[kGroupSize], col_lanes[kGroupSize];
         for (int t = 0; t < kGroupSize; ++t) {
@@ -219,10 +226,6 @@ void factored_groups(const Params io, int64_t groups, const SkewAdamFactoredStre
           update(k, Ops::load(row_lanes + k * simd::kLanes),
                  Ops::load(col_lanes + k * simd::kLanes));
         }
-      }
-      if (col == cols) {
-        col = 0;
-        ++row;
       }
       batch_io.store_params(base, params);
     }
