@@ -6,8 +6,8 @@
 // the row means and the update's RMS are reductions over it) and writes the means back.
 // The coefficients it produces stay in memory for phase 2, the elementwise pass over the
 // pages of the per-element state, cut into chunks like the other optimizers'. Parameters
-// without per-element state (fp32 experts: factors only) are chunked straight from the
-// parameter, as plain SGD is.
+// without per-element state (fp32 experts: factors only) are updated in phase 1 instead,
+// each matrix straight after its statistics, while its gradient is in cache.
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -18,11 +18,6 @@
 
 namespace pagedoptim::optim {
 namespace {
-
-// Elements per parallel work item of phase 2, as for the other optimizers (a multiple of
-// kGroupSize, so items start on quantization groups).
-constexpr int64_t kChunkElements = 32 * 1024;
-static_assert(kChunkElements % kGroupSize == 0);
 
 constexpr char kFactorStream[] = "exp_avg_sq_factors";
 
@@ -111,10 +106,26 @@ void PagedState::step_skewadam(const std::vector<SkewAdamParamStep>& params,
   }
   const kernels::SkewAdamKernelTable& kernel = kernels::skewadam_cpu_kernels();
 
+  // What the factored kernel gets for elements from `first` of parameter i, whose
+  // coefficients are at `coef`.
+  auto factored_streams = [&](size_t i, const float* coef, kernels::MomentStream m,
+                              kernels::MasterResidual residual, int64_t first) {
+    const SkewAdamParamStep& p = params[i];
+    return kernels::SkewAdamFactoredStreams{m,      residual, coef, coef + p.experts * p.rows,
+                                            p.rows, p.cols,   first};
+  };
+
   // Phase 1. factors[i] and coefficients[i] are laid out alike: [experts * rows] row
   // values, then [experts * cols] column values. They stay in the journal until the step
   // is done: the new means reach their pages only after phase 2, so every step that raises
   // before that leaves the old means in the pages and the new ones here.
+  //
+  // A parameter without per-element state (fp32 experts: factors only) gets its update here
+  // too, matrix by matrix right after the matrix's statistics: its gradient (1 MiB for an
+  // expert of 1024 x 256) is then still in cache, where phase 2 would read it from memory a
+  // second time. Nothing between the first update and the move of the factors into the
+  // journal raises, so a resumed step that finds the factors journaled finds these updates
+  // done, and one that does not finds none of them.
   std::vector<std::vector<float>>& factors = journal_->factors;
   std::vector<std::vector<float>>& coefficients = journal_->coefficients;
   if (factors.empty()) {
@@ -140,11 +151,12 @@ void PagedState::step_skewadam(const std::vector<SkewAdamParamStep>& params,
         const Matrix& matrix = matrices[size_t(m)];
         const SkewAdamParamStep& p = params[matrix.param];
         const int64_t all_rows = p.experts * p.rows;
+        const int64_t first_element = matrix.expert * p.rows * p.cols;
         float* state = new_factors[matrix.param].data();
         float* coef = new_coefficients[matrix.param].data();
         const kernels::FactorStatistics f{
             static_cast<const char*>(p.step.span.grad) +
-                matrix.expert * p.rows * p.cols * bytes_per_element(p.step.span.type),
+                first_element * bytes_per_element(p.step.span.type),
             p.step.span.type,
             p.rows,
             p.cols,
@@ -154,46 +166,26 @@ void PagedState::step_skewadam(const std::vector<SkewAdamParamStep>& params,
             coef + all_rows + matrix.expert * p.cols,
             scratch[matrix.param].data() + matrix.expert * p.cols};
         kernel.factor_statistics(f, scalars[matrix.param]);
+        if (p.step.slot < 0) {
+          kernel.factored(sub_span(p.step.span, first_element, p.rows * p.cols),
+                          factored_streams(matrix.param, coef, kernels::MomentStream{},
+                                           kernels::MasterResidual{}, first_element),
+                          scalars[matrix.param]);
+        }
       }
     });
     factors = std::move(new_factors);
     coefficients = std::move(new_coefficients);
   }
 
-  // Phase 2: parameters without per-element state (fp32 experts: factors only), straight
-  // from the parameter, then the pages of the others.
-  auto factored_streams = [&](size_t i, kernels::MomentStream m,
-                              kernels::MasterResidual residual, int64_t first) {
-    const SkewAdamParamStep& p = params[i];
-    const float* coef = coefficients[i].data();
-    return kernels::SkewAdamFactoredStreams{m,      residual, coef, coef + p.experts * p.rows,
-                                            p.rows, p.cols,   first};
-  };
+  // Phase 2: the pages of the parameters with per-element state.
   std::vector<ParamStep> paged;
   std::vector<size_t> paged_index;
-  std::vector<std::pair<size_t, int64_t>> unpaged_chunks;
   for (size_t i = 0; i < params.size(); ++i) {
     if (params[i].step.slot >= 0) {
       paged.push_back(params[i].step);
       paged_index.push_back(i);
-    } else {
-      for (int64_t begin = 0; begin < params[i].step.span.count; begin += kChunkElements) {
-        unpaged_chunks.emplace_back(i, begin);
-      }
     }
-  }
-  if (!journal_->unpaged_done) {
-    parallel_for(int64_t(unpaged_chunks.size()), [&](int64_t first, int64_t last) {
-      for (int64_t c = first; c < last; ++c) {
-        const auto [i, begin] = unpaged_chunks[size_t(c)];
-        const int64_t count = std::min(kChunkElements, params[i].step.span.count - begin);
-        kernel.factored(sub_span(params[i].step.span, begin, count),
-                        factored_streams(i, kernels::MomentStream{}, kernels::MasterResidual{},
-                                         begin),
-                        scalars[i]);
-      }
-    });
-    journal_->unpaged_done = true;
   }
   if (!paged.empty()) {
     for_each_chunk_of(
@@ -210,7 +202,8 @@ void PagedState::step_skewadam(const std::vector<SkewAdamParamStep>& params,
           kernels::MomentStream m;
           if (p.momentum) m = moment_ptr(kind, k.m, page, segment, begin);
           if (p.factor_slot >= 0) {
-            kernel.factored(span, factored_streams(i, m, residual, first), scalars[i]);
+            kernel.factored(span, factored_streams(i, coefficients[i].data(), m, residual, first),
+                            scalars[i]);
           } else {
             const kernels::MomentStream v{stream_ptr(kind, k.v.values, page, segment, begin),
                                           nullptr};

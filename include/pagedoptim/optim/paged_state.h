@@ -193,7 +193,8 @@ class PagedState {
     std::vector<int32_t> plan;                      // the step's pages, in pin order
     size_t pages_done = 0;         // plan[0, pages_done) are applied
     bool unpaged_done = false;     // parameters without pages (plain SGD, SkewAdam's fp32
-                                   // experts) are applied
+                                   // experts in the table step) are applied; the CPU
+                                   // SkewAdam step applies its own with phase 1's factors
     size_t factors_written = 0;    // SkewAdam: factored parameters, in call order, whose new
                                    // running means are in their pages
     // SkewAdam on the CPU: phase 1's new running means and coefficients per parameter
