@@ -259,3 +259,28 @@ def test_paging_overlap_mode_compares_the_step_with_kernel_and_disk(tmp_path):
     assert (paired["prefetch"], paired["baseline_prefetch"], paired["rounds"]) == (16, 4, 2)
     assert 0 <= paired["rounds_faster"] <= 2 and paired["step_time_ratio_median"] > 0
     assert list(tmp_path.iterdir()) == []  # the page file and the probe's file are gone
+
+
+def test_skewadam_state_benchmark_times_every_optimizer_in_the_same_rounds():
+    result = run([str(REPO_ROOT / "benchmarks" / "skewadam.py"), "--quick", "--only", "state"],
+                 timeout=600)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    optimizers = {"torch_adamw", "torch_adamw_fused", "pagedoptim_adamw_8bit", "skewadam"}
+    state = {r["optimizer"]: r for r in records if r["bench"] == "state_bytes"}
+    assert state.keys() == optimizers - {"torch_adamw_fused"}
+    # SkewAdam's factors take a small fraction of AdamW's two fp32 moments.
+    assert state["skewadam"]["ratio_to_torch_adamw"] < 0.1 < state["pagedoptim_adamw_8bit"][
+        "ratio_to_torch_adamw"] < 1.0 == state["torch_adamw"]["ratio_to_torch_adamw"]
+    steps = {r["optimizer"]: r for r in records if r["bench"] == "step_time"}
+    assert steps.keys() == optimizers | {"torch_ops_factor_statistics_only"}
+    rounds = {r["rounds"] for r in steps.values()}
+    assert len(rounds) == 1, "every optimizer is timed over the same rounds"
+    for name in optimizers:
+        record = steps[name]
+        assert 0 < record["min_seconds"] <= record["seconds"], record
+        assert math.isclose(record["speed_vs_torch_adamw_fused"] *
+                            record["ratio_to_torch_adamw_fused"], 1.0), record
+    target = records[-1]
+    assert target["bench"] == "skewadam_target"
+    assert target["met"] == (steps["skewadam"]["seconds"] <= steps["torch_adamw_fused"]["seconds"])
