@@ -27,13 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 import torch
 
 import pagedoptim as po
 from pagedoptim.reference_skewadam import SkewAdamReference
+from pagedoptim.timing import time_interleaved
 
 DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs")
 STDLIB_FILES = ("textwrap.py", "argparse.py", "functools.py", "inspect.py")
@@ -110,10 +110,10 @@ def bench_state_and_time(quick):
                  payload_ratio_to_torch_adamw=payload_bytes / baseline_bytes, tiers=tiers)
         live[name] = opt
 
-    # The optimizers take their steps in turn, one each per round, the order rotated every
-    # round, and each is timed by its median step: timed one after another, a shared VM's
-    # speed changes between them and single runs moved the ratios by 10-15%. They share the
-    # model's parameters, which changes nothing in what a step costs.
+    # The optimizers take their steps in turn (time_interleaved: one step each per round, the
+    # order rotated every round) and each is timed by its median step: timed one after another,
+    # a shared VM's speed changes between them and single runs moved the ratios by 10-15%. They
+    # share the model's parameters, which changes nothing in what a step costs.
     factored = [p.grad for n, p in model.named_parameters() if p.dim() >= 2 and "gate." not in n]
 
     def torch_ops_statistics():
@@ -125,20 +125,11 @@ def bench_state_and_time(quick):
     timed = {name: opt.step for name, opt in live.items()}
     timed["torch_ops_factor_statistics_only"] = torch_ops_statistics
     rounds = 3 if quick else 21
-    samples = {name: [] for name in timed}
-    order = list(timed)
-    for run in timed.values():
-        run()  # warm-up
-    for round_index in range(rounds):
-        shift = round_index % len(order)
-        for name in order[shift:] + order[:shift]:
-            start = time.perf_counter()
-            timed[name]()
-            samples[name].append(time.perf_counter() - start)
-    seconds = {name: statistics.median(values) for name, values in samples.items()}
+    timings = time_interleaved(timed, warmup=1, repeats=rounds)
+    seconds = {name: timing.median for name, timing in timings.items()}
     for name in live:
         emit(bench="step_time", optimizer=name, **config, seconds=seconds[name],
-             min_seconds=min(samples[name]), rounds=rounds,
+             min_seconds=timings[name].min, rounds=rounds,
              params_per_second=num_params / seconds[name],
              ratio_to_torch_adamw=seconds[name] / seconds["torch_adamw"],
              ratio_to_torch_adamw_fused=seconds[name] / seconds["torch_adamw_fused"],
