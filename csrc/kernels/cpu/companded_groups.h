@@ -488,14 +488,20 @@ struct VectorParams<MasterIo<Bf16Master, Residual>> {
 // ---------------------------------------------------------------------------------------------
 // Update rules on vectors (codec/update_rules.h).
 
-// codec::lerp with the weight's branch taken once per parameter.
+// codec::lerp with the weight's branch (kLow: weight < 0.5) taken once per call. As a bool
+// member GCC re-derived it from the weight in every vector of the update loop (a reload, a
+// compare and a branch each time).
+template <bool kLow>
 struct Lerp {
-  bool low;  // weight < 0.5
   F weight, weight_minus_one;
-  explicit Lerp(float w) : low(w < 0.5f), weight(Ops::splat(w)), weight_minus_one(Ops::splat(w - 1.0f)) {}
+  explicit Lerp(float w) : weight(Ops::splat(w)), weight_minus_one(Ops::splat(w - 1.0f)) {}
   inline F operator()(F from, F to) const {
     const F difference = Ops::sub(to, from);
-    return low ? Ops::fma(weight, difference, from) : Ops::fma(weight_minus_one, difference, to);
+    if constexpr (kLow) {
+      return Ops::fma(weight, difference, from);
+    } else {
+      return Ops::fma(weight_minus_one, difference, to);
+    }
   }
 };
 
@@ -504,7 +510,7 @@ struct Lerp {
 // `io` and the scalars are copied into locals (registers): a store through a parameter or
 // code pointer could alias a caller's struct as far as GCC knows (an int8 store aliases
 // anything), and it would reload and re-broadcast them after every store.
-template <class Params>
+template <class LerpRule, class Params>
 void adamw_groups(const Params io, int64_t groups, int8_t* PO_RESTRICT m_codes,
                   uint16_t* PO_RESTRICT m_scales, uint8_t* PO_RESTRICT v_codes,
                   uint16_t* PO_RESTRICT v_scales, const codec::AdamWScalars& scalars) {
@@ -512,7 +518,7 @@ void adamw_groups(const Params io, int64_t groups, int8_t* PO_RESTRICT m_codes,
   const F grad_sign = Ops::splat(s.grad_sign), decay = Ops::splat(s.decay);
   const F one_minus_beta2 = Ops::splat(s.one_minus_beta2), beta2 = Ops::splat(s.beta2);
   const F neg_scaled_step = Ops::splat(s.neg_scaled_step), scaled_eps = Ops::splat(s.scaled_eps);
-  const Lerp lerp(s.one_minus_beta1);
+  const LerpRule lerp(s.one_minus_beta1);
   alignas(64) float m[kBatchGroups * kGroupSize], v_roots[kBatchGroups * kGroupSize];
   alignas(64) float m_decode[kBatchGroups], v_decode[kBatchGroups];
   alignas(64) float m_inverse[kBatchGroups], v_inverse[kBatchGroups];
@@ -685,9 +691,14 @@ int64_t adamw_full_groups(const ParamSpan& span, const AdamWStreams& st,
     return 0;
   } else {
     const int64_t groups = span.count / kGroupSize;
-    adamw_groups(typename VectorParams<Io>::Type(span, st.residual), groups,
-                 static_cast<int8_t*>(st.m.values), st.m.scales,
-                 static_cast<uint8_t*>(st.v.values), st.v.scales, s);
+    const typename VectorParams<Io>::Type io(span, st.residual);
+    const auto m_codes = static_cast<int8_t*>(st.m.values);
+    const auto v_codes = static_cast<uint8_t*>(st.v.values);
+    if (s.one_minus_beta1 < 0.5f) {
+      adamw_groups<Lerp<true>>(io, groups, m_codes, st.m.scales, v_codes, st.v.scales, s);
+    } else {
+      adamw_groups<Lerp<false>>(io, groups, m_codes, st.m.scales, v_codes, st.v.scales, s);
+    }
     return groups * kGroupSize;
   }
 }
