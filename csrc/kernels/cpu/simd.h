@@ -39,7 +39,6 @@ namespace pagedoptim::kernels::PO_CPU_ISA::simd {
 
 struct Ops {
   static constexpr int kLanes = 16;
-  static constexpr int kRegisters = 32;  // zmm0-31
   using F = __m512;
   using I = __m512i;
   using M = __mmask16;
@@ -138,13 +137,37 @@ struct Ops {
   }
 
   static inline bool any(M m) { return m != 0; }
+
+  // A 128-entry float table held in eight registers, read by indices in [0, 127]: vpermt2ps
+  // looks up 32 entries by an index's low 5 bits, and bits 5 and 6 pick among the four.
+  static constexpr bool kHasTable128 = true;
+  struct Table128 {
+    F quarter[4][2];
+    explicit Table128(const float* entries) {
+      for (int q = 0; q < 4; ++q) {
+        quarter[q][0] = load(entries + 32 * q);
+        quarter[q][1] = load(entries + 32 * q + 16);
+      }
+    }
+  };
+  static inline F lookup(const Table128& table, I index) {
+    const auto in_quarter = [&](int q) {
+      return _mm512_permutex2var_ps(table.quarter[q][0], index, table.quarter[q][1]);
+    };
+    const M upper_half_of_pair = _mm512_test_epi32_mask(index, splat_int(32));
+    const F low = _mm512_mask_mov_ps(in_quarter(0), upper_half_of_pair, in_quarter(1));
+    const F high = _mm512_mask_mov_ps(in_quarter(2), upper_half_of_pair, in_quarter(3));
+    return _mm512_mask_mov_ps(low, _mm512_test_epi32_mask(index, splat_int(64)), high);
+  }
+  static inline I abs_int(I a) { return _mm512_abs_epi32(a); }
+
+  static inline M equal_int(I a, I b) { return _mm512_cmpeq_epi32_mask(a, b); }
 };
 
 #elif defined(PO_SIMD_AVX2)
 
 struct Ops {
   static constexpr int kLanes = 8;
-  static constexpr int kRegisters = 16;  // ymm0-15
   using F = __m256;
   using I = __m256i;
   using M = __m256i;  // all-ones lanes
@@ -274,6 +297,12 @@ struct Ops {
   }
 
   static inline bool any(M m) { return _mm256_movemask_ps(_mm256_castsi256_ps(m)) != 0; }
+
+  // Eight lanes have no permute across 128 entries (vpermps reads 8): no table lookups.
+  static constexpr bool kHasTable128 = false;
+  struct Table128 {
+    explicit Table128(const float*) {}
+  };
 };
 
 #endif
