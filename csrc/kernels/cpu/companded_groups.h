@@ -31,7 +31,7 @@
 //   - AdamW takes one square root of the new v for both its denominator and v's encode
 //     (a group with a zero v code takes a second, see adamw_groups);
 //   - on AVX2, bf16 masters are joined and split outside the update loop
-//     (Bf16MasterParams::begin_batch).
+//     (Bf16MasterParams::kStageMasters).
 // fp32 params 1.45 -> 1.20 ns per element, bf16 with the 8-bit residual 2.12 -> 1.72.
 // Then (a fourth Zen 3 VM, same measure, four triples): on AVX2, a short join for groups
 // whose parameters are all finite and nonzero (join_finite_nonzero, in the staging pass);
@@ -40,9 +40,8 @@
 // ns per element.
 // On an Intel Xeon with AVX-512 (2026-12-04) it is the other way round: AVX-512 ran no faster
 // than AVX2 there, because a 16-lane division or square root takes the divider twice as long
-// as an 8-lane one. There AVX-512 reads the moment decode from a table (MomentDecoder) and,
-// to make room for it in the registers, stages bf16 masters as AVX2 does: fp32 params 1.09
-// -> 1.01 ns per element, bf16 with the 8-bit residual 1.36 -> 1.32 (single thread, 1M).
+// as an 8-lane one. There AdamW on AVX-512 reads the moment decode from a table
+// (MomentDecoder): fp32 params 1.09 -> 1.01 ns per element (single thread, 1M elements).
 //
 // Every lane evaluates exactly the scalar expressions of codec/companding.h,
 // codec/update_rules.h and codec/master_split.h, in the same order, with the same IEEE
@@ -147,9 +146,14 @@ inline constexpr MomentMagnitudes kMomentMagnitudes{};
 // wrong multiply as an experiment took 1.10 -> 0.95 ns per element. The bits are the same:
 // IEEE division is symmetric in sign, so q / (254 - |q|) is the entry of |q| with q's sign,
 // and -128 (never written, but a loaded state may hold it) is 128 / 126 negated.
-// Only AdamW's kernel looks up (kLookup): Lion's and SGD's updates divide nowhere else, the
-// divider does not bound them, and there the lookup's extra operations cost more than the
-// division they replace (Lion, fp32 params: 0.70 -> 0.74 ns per element).
+// Only AdamW's kernel looks up (kLookup), and not on bf16 masters:
+//   - Lion's and SGD's updates divide nowhere else, the divider does not bound them, and
+//     there the lookup's extra operations cost more than the division they replace (Lion,
+//     fp32 params: 0.70 -> 0.74 ns per element);
+//   - the bf16 master join and split need the registers the table would take. Staging the
+//     masters to make room (as AVX2 does) was 3% faster in cache but slower at 64M params,
+//     where loads spread across the update pay: 1.41 ns per element without the table,
+//     1.45 staged with it, 1.51 in the loop with it (single thread, Intel).
 template <bool kLookup>
 class MomentDecoder {
  public:
@@ -279,6 +283,7 @@ struct ScaleKey {
 // Bf16MasterParams stages its masters where registers are short (see there).
 template <class Self>
 struct InPlaceBatch {
+  static constexpr bool kJoinsMasters = false;
   inline Self begin_batch(int64_t, int, float*) const { return static_cast<const Self&>(*this); }
   inline void end_batch(int64_t, int, const float*) const {}
 };
@@ -327,17 +332,18 @@ struct Bf16Params : InPlaceBatch<Bf16Params> {
 // A bf16 parameter plus its master residual (codec::join_master_bf16, split_master_bf16).
 //
 // The join and the split take about as many operations as the update itself, with constants
-// of their own. Inside the update loop they leave the registers short: on AVX2 (16) the loop
-// for a group of 32 was 432 instructions, 91 of them stack loads and stores (objdump of the
-// build); AVX-512's 32 held them until AdamW's moment decode table took eight
-// (MomentDecoder), and then its loop became slower than staging (1.40 against 1.32 ns per
-// element, Intel, single thread, in cache; Lion, without the table, 1.03 against 0.99 staged).
-// So a batch's masters are joined into an L1 buffer in a loop of
-// their own (begin_batch), the update reads and writes them there (StagedMasters), and a
-// second loop splits them back (end_batch). Each element goes through the same operations.
+// of their own. Inside the update loop they leave AVX2's 16 registers short: its loop for a
+// group of 32 was 432 instructions, 91 of them stack loads and stores (objdump of the
+// build). So on AVX2 a batch's masters are joined into an L1 buffer in a loop of their own
+// (begin_batch), the update reads and writes them there (StagedMasters), and a second loop
+// splits them back (end_batch). Each element goes through the same operations either way.
+// AVX-512's 32 registers hold the join and the split inside the update loop, where they
+// cost no extra loads and stores, so there the batch is the params themselves.
 template <class Residual>
 struct Bf16MasterParams {
   static constexpr float kScale = codec::ResidualTraits<Residual>::kScale;
+  static constexpr bool kStageMasters = Ops::kRegisters < 32;
+  static constexpr bool kJoinsMasters = true;
   uint16_t* PO_RESTRICT param;
   Residual* PO_RESTRICT residual;
   const uint16_t* PO_RESTRICT grad;
@@ -361,32 +367,40 @@ struct Bf16MasterParams {
   };
 
   // `staging` holds kBatchGroups groups.
-  inline StagedMasters begin_batch(int64_t first, int groups, float* PO_RESTRICT staging) const {
-    for (int g = 0; g < groups; ++g) {
-      const int64_t base = first + int64_t(g) * kGroupSize;
-      float* PO_RESTRICT masters = staging + g * kGroupSize;
-      if (group_is_finite_nonzero(param + base)) {
-        for (int k = 0; k < kVectorsPerGroup; ++k) {
-          Ops::store(masters + k * kLanes, join_finite_nonzero(base + k * kLanes));
-        }
-      } else {
-        for (int k = 0; k < kVectorsPerGroup; ++k) {
-          Ops::store(masters + k * kLanes, load_param(base + k * kLanes));
+  inline auto begin_batch(int64_t first, int groups, float* PO_RESTRICT staging) const {
+    if constexpr (kStageMasters) {
+      for (int g = 0; g < groups; ++g) {
+        const int64_t base = first + int64_t(g) * kGroupSize;
+        float* PO_RESTRICT masters = staging + g * kGroupSize;
+        if (group_is_finite_nonzero(param + base)) {
+          for (int k = 0; k < kVectorsPerGroup; ++k) {
+            Ops::store(masters + k * kLanes, join_finite_nonzero(base + k * kLanes));
+          }
+        } else {
+          for (int k = 0; k < kVectorsPerGroup; ++k) {
+            Ops::store(masters + k * kLanes, load_param(base + k * kLanes));
+          }
         }
       }
+      return StagedMasters{staging, first, grad};
+    } else {
+      return *this;
     }
-    return StagedMasters{staging, first, grad};
   }
 
   inline void end_batch(int64_t first, int groups, const float* PO_RESTRICT staging) const {
-    for (int g = 0; g < groups; ++g) {
-      GroupF masters;
-      for (int k = 0; k < kVectorsPerGroup; ++k) {
-        masters[k] = Ops::load(staging + g * kGroupSize + k * kLanes);
+    if constexpr (kStageMasters) {
+      for (int g = 0; g < groups; ++g) {
+        GroupF masters;
+        for (int k = 0; k < kVectorsPerGroup; ++k) {
+          masters[k] = Ops::load(staging + g * kGroupSize + k * kLanes);
+        }
+        store_params(first + int64_t(g) * kGroupSize, masters);
       }
-      store_params(first + int64_t(g) * kGroupSize, masters);
     }
   }
+
+  inline F load_grad(int64_t i) const { return load_bf16(grad + i); }
 
   // codec::join_master_bf16 of one vector.
   inline F load_param(int64_t i) const {
@@ -557,7 +571,7 @@ void adamw_groups(const Params io, int64_t groups, int8_t* PO_RESTRICT m_codes,
   const F one_minus_beta2 = Ops::splat(s.one_minus_beta2), beta2 = Ops::splat(s.beta2);
   const F neg_scaled_step = Ops::splat(s.neg_scaled_step), scaled_eps = Ops::splat(s.scaled_eps);
   const LerpRule lerp(s.one_minus_beta1);
-  const MomentDecoder<Ops::kHasTable128> decode_moments;
+  const MomentDecoder<Ops::kHasTable128 && !Params::kJoinsMasters> decode_moments;
   alignas(64) float m[kBatchGroups * kGroupSize], v_roots[kBatchGroups * kGroupSize];
   alignas(64) float m_decode[kBatchGroups], v_decode[kBatchGroups];
   alignas(64) float m_inverse[kBatchGroups], v_inverse[kBatchGroups];

@@ -39,6 +39,7 @@ namespace pagedoptim::kernels::PO_CPU_ISA::simd {
 
 struct Ops {
   static constexpr int kLanes = 16;
+  static constexpr int kRegisters = 32;  // zmm0-31
   using F = __m512;
   using I = __m512i;
   using M = __mmask16;
@@ -168,6 +169,7 @@ struct Ops {
 
 struct Ops {
   static constexpr int kLanes = 8;
+  static constexpr int kRegisters = 16;  // ymm0-15
   using F = __m256;
   using I = __m256i;
   using M = __m256i;  // all-ones lanes
