@@ -76,7 +76,16 @@ static_assert(kGroupSize % kLanes == 0, "a group is a whole number of vectors");
 // Group scales, a vector of groups at a time, with the F16C conversions (the scalar codec
 // converts in integer code so that nvcc and every ISA share it; these give the same values).
 
-constexpr int kBatchGroups = 16;
+// Groups per batch (see the top of this file). Longer batches spread each batch's fixed work
+// (its scales, a vector of groups at a time, and the turns between the phases) over more
+// groups. On an Intel Xeon with AVX-512, single thread, 64M params, ns per element:
+//   fp32 params: 1.25 (16 groups), 1.17 (32), 1.16 (64), 1.19 (128); in cache 1.02 -> 0.93;
+//   bf16 + 8-bit residual: 1.41, 1.35, 1.33, 1.25-1.30; in cache 1.37-1.42 -> 1.28;
+// and two threads, compressed_throughput.py: 1.53-1.56 -> 1.58-1.62 Gparam/s (fp32), 1.39-1.40
+// -> 1.50-1.52 (bf16). AVX2 stays at 16: on that machine 32 and 64 made its staged bf16 step
+// slower (1.55 -> 1.65-1.72) and 128 faster (1.50), a shape too uneven to carry over to the
+// AVX2-only Zen 3 machines this was tuned on without measuring there.
+constexpr int kBatchGroups = kLanes == 16 ? 128 : 16;
 static_assert(kBatchGroups % kLanes == 0, "a batch's scales are whole vectors");
 
 // fp16 -> fp32 (exact in hardware too) of `groups` <= kBatchGroups scales. A signalling-NaN

@@ -329,7 +329,8 @@ constexpr ParamForm kParamForms[] = {
     {ElementType::kFloat32, 0},  {ElementType::kBFloat16, 0}, {ElementType::kBFloat16, 8},
     {ElementType::kBFloat16, 16}, {ElementType::kFloat16, 0}, {ElementType::kFloat16, 8},
 };
-constexpr int64_t kCounts[] = {1, 31, 32, 33, 96, 1000, 4099};
+// 9000 elements are 281 groups: two full batches of AVX-512's 128 groups and a partial one.
+constexpr int64_t kCounts[] = {1, 31, 32, 33, 96, 1000, 4099, 9000};
 
 TEST(IsaKernels, ThisMachineRunsAVectorIsa) {
   // On x86 every CI machine has AVX2; without it the comparisons below would compare nothing.
