@@ -4,8 +4,8 @@
 // decoded moments in stack arrays between its loops, evaluates both sides of every select,
 // and does the per-group scale work (fp16 conversions, rounding a scale up) in portable
 // integer code: about 21 instructions and 6.5 cycles per element on AVX-512, three times the
-// arithmetic the step needs. Here a batch of up to 16 groups goes through three phases:
-//   1. decode, update and store the parameters, keeping the new moments in an L1 buffer and
+// arithmetic the step needs. Here a batch of groups (kBatchGroups) goes through three phases:
+//   1. decode, update and store the parameters, keeping the new moments in a stack buffer and
 //      each group's scale key (its largest magnitude);
 //   2. turn the batch's keys into fp16 scales and their reciprocals, a vector of groups at a
 //      time, with the F16C conversions (rounding up is one conversion);
@@ -83,8 +83,8 @@ static_assert(kGroupSize % kLanes == 0, "a group is a whole number of vectors");
 //   bf16 + 8-bit residual: 1.41, 1.35, 1.33, 1.25-1.30; in cache 1.37-1.42 -> 1.28;
 // and two threads, compressed_throughput.py: 1.53-1.56 -> 1.58-1.62 Gparam/s (fp32), 1.39-1.40
 // -> 1.50-1.52 (bf16). AVX2 stays at 16: on that machine 32 and 64 made its staged bf16 step
-// slower (1.55 -> 1.65-1.72) and 128 faster (1.50), a shape too uneven to carry over to the
-// AVX2-only Zen 3 machines this was tuned on without measuring there.
+// slower (1.54-1.57 -> 1.64-1.74) and 128 faster (1.48-1.51), a shape too uneven to carry
+// over to the AVX2-only Zen 3 machines this was tuned on without measuring there.
 constexpr int kBatchGroups = kLanes == 16 ? 128 : 16;
 static_assert(kBatchGroups % kLanes == 0, "a batch's scales are whole vectors");
 
