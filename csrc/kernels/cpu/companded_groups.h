@@ -138,15 +138,17 @@ using GroupI = I[kVectorsPerGroup];
 // ---------------------------------------------------------------------------------------------
 // Codes of one vector of a group.
 
-// codec::decode_moment before its scale, q / (254 - |q|), for |q| in [0, 127]: the same
-// correctly rounded division, done once by the compiler.
+// codec::decode_moment under a scale of 1 (exact) for the codes 0..127, and the magnitude of
+// -128's: the codec's own decode, run once when the library loads.
 struct MomentMagnitudes {
   alignas(64) float entries[128];
-  constexpr MomentMagnitudes() : entries() {
-    for (int q = 0; q < 128; ++q) entries[q] = float(q) / (2.0f * codec::kMomentCodeMax - float(q));
+  float of_minus_128;
+  MomentMagnitudes() {
+    for (int q = 0; q < 128; ++q) entries[q] = codec::decode_moment(int8_t(q), 1.0f);
+    of_minus_128 = -codec::decode_moment(int8_t(-128), 1.0f);
   }
 };
-inline constexpr MomentMagnitudes kMomentMagnitudes{};
+inline const MomentMagnitudes kMomentMagnitudes;
 
 // codec::decode_moment of a vector of codes.
 // Where a 128-entry table fits in registers (AVX-512), the division is a lookup: Intel's
@@ -166,7 +168,10 @@ inline constexpr MomentMagnitudes kMomentMagnitudes{};
 template <bool kLookup>
 class MomentDecoder {
  public:
-  MomentDecoder() : table_(kMomentMagnitudes.entries) {}
+  // Copied into the decoder, a local of the kernel: read from the global, they would be
+  // reloaded after every int8 store (which may alias anything as far as GCC knows).
+  MomentDecoder()
+      : table_(kMomentMagnitudes.entries), minus_128_(Ops::splat(kMomentMagnitudes.of_minus_128)) {}
   // A template so that the branch not taken is not compiled against the other ISA's Ops.
   template <class O = Ops>
   inline F operator()(const int8_t* codes, F scale) const {
@@ -176,7 +181,7 @@ class MomentDecoder {
       const I magnitude = O::abs_int(q);
       F value = O::lookup(table_, magnitude);
       value = O::select(O::equal_int(magnitude, O::splat_int(128)),
-                        O::splat(128.0f / (2.0f * codec::kMomentCodeMax - 128.0f)), value);
+                        minus_128_, value);
       value = O::from_bits(O::or_(O::bits(value), O::and_(q, O::splat_int(0x80000000u))));
       return O::mul(value, scale);
     } else {
@@ -189,6 +194,7 @@ class MomentDecoder {
 
  private:
   Ops::Table128 table_;
+  F minus_128_;  // -128's decoded magnitude
 };
 
 // Encoding under a scale this step computed from the group's own values: the clamps of

@@ -161,7 +161,6 @@ struct Ops {
     return _mm512_mask_mov_ps(low, _mm512_test_epi32_mask(index, splat_int(64)), high);
   }
   static inline I abs_int(I a) { return _mm512_abs_epi32(a); }
-
   static inline M equal_int(I a, I b) { return _mm512_cmpeq_epi32_mask(a, b); }
 };
 
