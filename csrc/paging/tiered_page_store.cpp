@@ -100,7 +100,12 @@ int64_t TieredPageStore::resident_bytes() const {
 
 int32_t TieredPageStore::pin_limit() const {
   const int32_t budget = cache_.budget_slots();
-  return std::max(1, budget - std::min(prefetch_, budget / 2));
+  // The driver pins a batch, runs its kernels, then unpins it; the pages of a pinned batch
+  // cannot make room for reads ahead. Pinning nearly the whole budget (the budget less the
+  // prefetch window, as before), a warm step of 1e9 params with a 2 GiB cache began with
+  // 0.4 s without I/O: its first batch was all hits, and nothing came free to read the
+  // misses into until that batch was done (docs/paging.md, "Where it lost it").
+  return std::max(1, budget / 8);
 }
 
 void TieredPageStore::plan(const std::vector<int32_t>& pages) {
@@ -130,19 +135,44 @@ void TieredPageStore::schedule_locked() {
     if (std::find(demand_.begin(), demand_.begin() + i, demand_[i]) != demand_.begin() + i) {
       continue;
     }
-    load_locked(demand_[i], -1, write_credit);
+    load_locked(demand_[i], LoadKind::kDemand, -1, write_credit);
   }
+  // Then the pages ahead of the cursor that the step would miss, in plan order. Pages it
+  // will hit (resident since before this plan) are passed over: counting them, a run of
+  // hits ahead of the cursor kept the disk idle while the kernels worked through it.
+  //  - The first `prefetch` of them are the window: a page in it may take the slot of any
+  //    page the plan needs later than it. A page read ahead and not yet pinned still
+  //    counts, so which pages the window evicts does not depend on timing.
+  //  - Past the window, while fewer than `prefetch` reads are in flight (DESIGN.md: the
+  //    pages in flight ahead of the step), a page is read ahead into a free slot or the
+  //    slot of the policy's victim, only if the plan is done with that victim. Such a read
+  //    costs the step no hit, so how far ahead it gets (timing) changes only when pages
+  //    arrive. Allowed to evict pages still needed, reads running ahead of a
+  //    same-direction scan displaced the pages it needed next, and its hits varied by run.
   PlanTracker& plan = cache_.plan();
-  const int64_t end = std::min(plan.size(), plan.cursor() + prefetch_);
+  const int64_t end =
+      prefetch_ > 0 ? std::min(plan.size(), plan.cursor() + int64_t(cache_.budget_slots())) : 0;
+  int32_t window = 0;
+  bool earlier_in_flight = true;  // every miss before this position is loading or loaded
   for (int64_t position = plan.cursor(); position < end; ++position) {
+    const int32_t page = plan.page_at(position);
+    const PageMeta& m = cache_.meta(page);
+    const bool hit = (m.state == PageState::kResident && !m.loaded) ||
+                     m.state == PageState::kWriting;
+    if (hit) continue;
+    const bool in_window = window++ < prefetch_;
+    // A read ahead waits until the misses before it are in flight (a window page waiting
+    // for a write-back would otherwise see a later page take the clean slot it could use,
+    // and the reads in flight could exceed `prefetch`).
+    if (!in_window && (!earlier_in_flight || loads_in_flight_ >= prefetch_)) break;
     // A demanded page had its turn above: asking again would claim a second slot for it
     // (a second write-back whose slot nobody takes).
-    const int32_t page = plan.page_at(position);
-    if (std::find(demand_.begin(), demand_.end(), page) != demand_.end()) continue;
-    // In plan order: a later page must not take the slot an earlier one waits for.
-    if (load_locked(page, position, write_credit) == LoadResult::kBlocked) {
-      break;
+    if (std::find(demand_.begin(), demand_.end(), page) == demand_.end()) {
+      // In plan order: a later page must not take the slot an earlier one waits for.
+      const LoadKind kind = in_window ? LoadKind::kWindow : LoadKind::kReadAhead;
+      if (load_locked(page, kind, position, write_credit) == LoadResult::kBlocked) break;
     }
+    if (m.state == PageState::kAbsent) earlier_in_flight = false;
   }
   shrink_to_budget_locked();
   if (!actions_.empty()) work_cv_.notify_one();
@@ -170,13 +200,14 @@ void TieredPageStore::shrink_to_budget_locked() {
   }
 }
 
-TieredPageStore::LoadResult TieredPageStore::load_locked(int32_t page, int64_t needed_at,
+TieredPageStore::LoadResult TieredPageStore::load_locked(int32_t page, LoadKind kind,
+                                                         int64_t needed_at,
                                                          int64_t& write_credit) {
   PageMeta& m = cache_.meta(page);
   if (m.state != PageState::kAbsent || read_errors_.count(page) != 0) return LoadResult::kDone;
-  const bool demand = needed_at < 0;
+  const bool demand = kind == LoadKind::kDemand;
   try {
-    return load_into_slot_locked(page, needed_at, demand, write_credit);
+    return load_into_slot_locked(page, kind, needed_at, write_credit);
   } catch (const std::exception&) {
     // Slots are allocated on first use, possibly on a pager thread, where an exception
     // must not escape (std::bad_alloc, or pinned memory a device refused). A prefetch just
@@ -187,18 +218,24 @@ TieredPageStore::LoadResult TieredPageStore::load_locked(int32_t page, int64_t n
 }
 
 TieredPageStore::LoadResult TieredPageStore::load_into_slot_locked(int32_t page,
+                                                                   LoadKind kind,
                                                                    int64_t needed_at,
-                                                                   bool demand,
                                                                    int64_t& write_credit) {
   PageMeta& m = cache_.meta(page);
+  const bool demand = kind == LoadKind::kDemand;
   int32_t slot = cache_.take_free_slot();
   while (slot < 0) {
-    const int32_t victim = cache_.find_victim(needed_at, /*dirty_allowed=*/!degraded_);
+    int32_t victim = cache_.find_victim(needed_at, /*dirty_allowed=*/!degraded_);
     // A write-back in flight frees a slot soon; a page the plan still needs, evicted now,
     // is read again later in the step. Waiting is the cheaper of the two, and it keeps a
     // step's traffic independent of how its I/O and its pins interleave.
-    const bool needed_later =
-        victim >= 0 && cache_.plan().next_use(victim) != kNeverUsed;
+    bool needed_later = victim >= 0 && cache_.plan().next_use(victim) != kNeverUsed;
+    // A read past the window takes the policy's victim only if the plan is done with it:
+    // then reading early costs no hit, however far ahead the timing lets it get.
+    if (kind == LoadKind::kReadAhead && needed_later) {
+      victim = -1;
+      needed_later = false;
+    }
     if (victim >= 0 && !cache_.meta(victim).dirty && !(needed_later && write_credit > 0)) {
       // Evicting a clean page is free. A page in a slot past the budget gives no slot
       // back, so the loop goes on evicting: that is how the cache shrinks to its budget
@@ -230,9 +267,9 @@ TieredPageStore::LoadResult TieredPageStore::load_into_slot_locked(int32_t page,
   const auto overwrites = std::count(overwrite_.begin(), overwrite_.end(), page);
   const bool claim =
       demand && overwrites > 0 && overwrites == std::count(demand_.begin(), demand_.end(), page);
-  const ActionKind kind =
+  const ActionKind action =
       claim ? ActionKind::kClaim : (m.on_tier ? ActionKind::kRead : ActionKind::kZero);
-  actions_.push_back(Action{kind, page, cache_.slot_data(slot)});
+  actions_.push_back(Action{action, page, cache_.slot_data(slot)});
   return LoadResult::kDone;
 }
 

@@ -89,7 +89,8 @@ class TieredPageStore final : public PageStore {
   std::byte* pin_overwrite(int32_t page) override;
   // Throws the step's write-back error, if any, when it unpins the plan's last page.
   void unpin(int32_t page, bool dirty) override;
-  // The budget less the slots the prefetch window needs (at most half the budget).
+  // An eighth of the budget (at least 1), so that the pages a step has finished with come
+  // free while it works on the rest, and the prefetch has victims to load into (see there).
   int32_t pin_limit() const override;
   int32_t num_pages() const override;
   int64_t page_bytes() const override { return cache_.page_bytes(); }
@@ -112,6 +113,9 @@ class TieredPageStore final : public PageStore {
     std::byte* slot;
   };
   enum class LoadResult { kDone, kWaiting, kBlocked };
+  // Who wants a page loaded: a pin waiting for it, the prefetch window, or a read past the
+  // window, which may only take a slot the plan does not need again (see schedule_locked).
+  enum class LoadKind { kDemand, kWindow, kReadAhead };
   struct LatchedError {
     std::exception_ptr error;
     uint64_t generation;  // error_clock_ when it was latched
@@ -119,8 +123,8 @@ class TieredPageStore final : public PageStore {
 
   std::byte* pin_page(int32_t page, bool overwrite);
   void schedule_locked();
-  LoadResult load_locked(int32_t page, int64_t needed_at, int64_t& write_credit);
-  LoadResult load_into_slot_locked(int32_t page, int64_t needed_at, bool demand,
+  LoadResult load_locked(int32_t page, LoadKind kind, int64_t needed_at, int64_t& write_credit);
+  LoadResult load_into_slot_locked(int32_t page, LoadKind kind, int64_t needed_at,
                                    int64_t& write_credit);
   void start_write_locked(int32_t page);
   void shrink_to_budget_locked();
