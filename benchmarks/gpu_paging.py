@@ -35,31 +35,25 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 import pagedoptim as po
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from utils import emit, synchronize  # noqa: E402
+
 GIB = 1 << 30
 CAP_BYTES = 24 * GIB
 # 8-bit m and v (a code byte per element, an fp16 scale per 32) and the int8 residual.
 STATE_BYTES_PER_BF16_PARAM = 2 * (1 + 2 / 32) + 1
-
-
-def emit(record: dict[str, Any]) -> None:
-    print(json.dumps(record), flush=True)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # -- link ----------------------------------------------------------------------------------
@@ -96,10 +90,10 @@ def step_params(total: int, device: torch.device) -> list[torch.nn.Parameter]:
 def time_steps(opt: Any, params: list, device: torch.device, steps: int) -> list[float]:
     times = []
     for _ in range(steps):
-        sync(device)
+        synchronize(device)
         start = time.perf_counter()
         opt.step()
-        sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return times
 
@@ -246,13 +240,13 @@ def train_run(size: str, device: torch.device, *, paged: bool, seq: int, batch: 
     times = []
     for step in range(warmup + steps):
         ids = torch.randint(0, vocab, (batch, seq), generator=gen, device=device)
-        sync(device)
+        synchronize(device)
         start = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()  # each param is stepped and its grad freed in here
         opt.step()
         opt.zero_grad(set_to_none=True)
-        sync(device)
+        synchronize(device)
         if step >= warmup:
             times.append(time.perf_counter() - start)
     step_s = statistics.median(times)

@@ -25,22 +25,21 @@ measured in the same run. One JSON line per result:
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 import pagedoptim as po
 from pagedoptim.reference_skewadam import SkewAdamReference
-from pagedoptim.timing import time_interleaved
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from utils import emit, time_interleaved  # noqa: E402
 
 DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs")
 STDLIB_FILES = ("textwrap.py", "argparse.py", "functools.py", "inspect.py")
-
-
-def emit(**fields) -> None:
-    print(json.dumps(fields), flush=True)
 
 
 def mixtral(hidden, intermediate, experts, layers, seq):
@@ -103,11 +102,11 @@ def bench_state_and_time(quick):
         if name == "torch_adamw":
             baseline_bytes = state_bytes
         if name != "torch_adamw_fused":
-            emit(bench="state_bytes", optimizer=name, **config, state_bytes=state_bytes,
+            emit(dict(bench="state_bytes", optimizer=name, **config, state_bytes=state_bytes,
                  bytes_per_param=state_bytes / num_params,
                  ratio_to_torch_adamw=state_bytes / baseline_bytes,
                  payload_bytes=payload_bytes,
-                 payload_ratio_to_torch_adamw=payload_bytes / baseline_bytes, tiers=tiers)
+                 payload_ratio_to_torch_adamw=payload_bytes / baseline_bytes, tiers=tiers))
         live[name] = opt
 
     # The optimizers take their steps in turn (time_interleaved: one step each per round, the
@@ -128,20 +127,20 @@ def bench_state_and_time(quick):
     timings = time_interleaved(timed, warmup=1, repeats=rounds)
     seconds = {name: timing.median for name, timing in timings.items()}
     for name in live:
-        emit(bench="step_time", optimizer=name, **config, seconds=seconds[name],
+        emit(dict(bench="step_time", optimizer=name, **config, seconds=seconds[name],
              min_seconds=timings[name].min, rounds=rounds,
              params_per_second=num_params / seconds[name],
              ratio_to_torch_adamw=seconds[name] / seconds["torch_adamw"],
              ratio_to_torch_adamw_fused=seconds[name] / seconds["torch_adamw_fused"],
              speed_vs_torch_adamw_fused=seconds["torch_adamw_fused"] / seconds[name],
-             threads=torch.get_num_threads())
+             threads=torch.get_num_threads()))
     stats_seconds = seconds["torch_ops_factor_statistics_only"]
-    emit(bench="step_time", optimizer="torch_ops_factor_statistics_only", **config,
+    emit(dict(bench="step_time", optimizer="torch_ops_factor_statistics_only", **config,
          seconds=stats_seconds, rounds=rounds,
-         ratio_to_torch_adamw=stats_seconds / seconds["torch_adamw"])
-    emit(bench="skewadam_target", threads=torch.get_num_threads(),
+         ratio_to_torch_adamw=stats_seconds / seconds["torch_adamw"]))
+    emit(dict(bench="skewadam_target", threads=torch.get_num_threads(),
          speed_vs_torch_adamw_fused=seconds["torch_adamw_fused"] / seconds["skewadam"],
-         target=1.0, met=seconds["skewadam"] <= seconds["torch_adamw_fused"])
+         target=1.0, met=seconds["skewadam"] <= seconds["torch_adamw_fused"]))
 
 
 def corpus():
@@ -195,11 +194,11 @@ def bench_loss(quick):
         start = time.perf_counter()
         curves[name] = train_tiny(make, data, steps)
         tail = curves[name][-20:]
-        emit(bench="loss", optimizer=name, steps=steps, lr=lr,
-             final_loss=sum(tail) / len(tail), seconds=time.perf_counter() - start)
+        emit(dict(bench="loss", optimizer=name, steps=steps, lr=lr,
+             final_loss=sum(tail) / len(tail), seconds=time.perf_counter() - start))
     final = {name: sum(c[-20:]) / len(c[-20:]) for name, c in curves.items()}
-    emit(bench="loss", optimizer="skewadam", relative_to_torch_adamw=(
-        final["skewadam"] / final["torch_adamw"] - 1.0))
+    emit(dict(bench="loss", optimizer="skewadam", relative_to_torch_adamw=(
+        final["skewadam"] / final["torch_adamw"] - 1.0)))
     plot(curves, os.path.join(DOCS, "skewadam_loss.png"))
 
 
@@ -240,15 +239,15 @@ def bench_eps(quick):
                 opt.step()
                 if step in (0, 9):
                     results[f"{name}_step{step + 1}"] = (p.detach() - before).square().mean().sqrt().item()
-        emit(bench="eps_update", grad_scale=scale, **results)
+        emit(dict(bench="eps_update", grad_scale=scale, **results))
     data = corpus()
     steps = 30 if quick else 300
     for name, kwargs in (("eps_on_g2", dict(eps=1e-30)), ("floor_1e-8", dict(factor_floor=1e-8))):
         for loss_scale in (1.0, 1e-4):
             losses = train_tiny(lambda m: ReferenceOptimizer(m, lr=3e-3, **kwargs), data, steps,
                                 loss_scale=loss_scale)
-            emit(bench="eps_loss", placement=name, loss_scale=loss_scale, steps=steps,
-                 final_loss=sum(losses[-20:]) / 20)
+            emit(dict(bench="eps_loss", placement=name, loss_scale=loss_scale, steps=steps,
+                 final_loss=sum(losses[-20:]) / 20))
 
 
 def main():
