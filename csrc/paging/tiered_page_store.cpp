@@ -157,9 +157,7 @@ void TieredPageStore::schedule_locked() {
   for (int64_t position = plan.cursor(); position < end; ++position) {
     const int32_t page = plan.page_at(position);
     const PageMeta& m = cache_.meta(page);
-    const bool hit = (m.state == PageState::kResident && !m.loaded) ||
-                     m.state == PageState::kWriting;
-    if (hit) continue;
+    if (m.pin_would_hit()) continue;
     const bool in_window = window++ < prefetch_;
     // A read ahead waits until the misses before it are in flight (a window page waiting
     // for a write-back would otherwise see a later page take the clean slot it could use,
@@ -321,7 +319,7 @@ std::byte* TieredPageStore::pin_page(int32_t page, bool overwrite) {
     PageMeta& m = cache_.meta(page);
     if (!counted) {
       counted = true;
-      hit = (m.state == PageState::kResident && !m.loaded) || m.state == PageState::kWriting;
+      hit = m.pin_would_hit();
     }
     if (m.state == PageState::kResident) {
       if (hit) {

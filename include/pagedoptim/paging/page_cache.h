@@ -37,6 +37,12 @@ struct PageMeta {
   int32_t read_attempts = 0;  // of the read in flight
   uint64_t last_use = 0;      // logical clock of the last pin or unpin
   uint64_t use_count = 0;     // pins
+
+  // Whether a pin now counts a hit: the page is in memory and was not brought in for it
+  // (a page being written back is still in memory). The pager reads ahead only the others.
+  bool pin_would_hit() const {
+    return (state == PageState::kResident && !loaded) || state == PageState::kWriting;
+  }
 };
 
 // Where slot memory comes from: 4 KiB aligned host memory when empty, pinned host memory

@@ -90,7 +90,7 @@ class TieredPageStore final : public PageStore {
   // Throws the step's write-back error, if any, when it unpins the plan's last page.
   void unpin(int32_t page, bool dirty) override;
   // An eighth of the budget (at least 1), so that the pages a step has finished with come
-  // free while it works on the rest, and the prefetch has victims to load into (see there).
+  // free while it works on the rest, for the reads ahead to load into (see schedule_locked).
   int32_t pin_limit() const override;
   int32_t num_pages() const override;
   int64_t page_bytes() const override { return cache_.page_bytes(); }
