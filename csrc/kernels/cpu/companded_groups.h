@@ -185,10 +185,9 @@ class MomentDecoder {
       value = O::from_bits(O::or_(O::bits(value), O::and_(q, O::splat_int(0x80000000u))));
       return O::mul(value, scale);
     } else {
-      const F value = Ops::to_float(q);
-      return Ops::mul(
-          Ops::div(value, Ops::sub(Ops::splat(2.0f * codec::kMomentCodeMax), Ops::abs(value))),
-          scale);
+      const F value = O::to_float(q);
+      return O::mul(
+          O::div(value, O::sub(O::splat(2.0f * codec::kMomentCodeMax), O::abs(value))), scale);
     }
   }
 
