@@ -14,6 +14,7 @@ same params and loss, bit for bit. Rank 0 prints one JSON line per rank.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -120,6 +121,14 @@ def main(args: argparse.Namespace) -> None:
                              f"{result['resumed_loss']}, the uninterrupted one with "
                              f"{result['final_loss']}")
     finally:
+        # The model's modules hold the device mesh, and through it the process group, in
+        # reference cycles. Left to the interpreter's exit, gloo's worker threads outlive
+        # destroy_process_group and drop their last finished work (whose tensors hold Python
+        # objects) while the interpreter is being torn down: that takes the GIL from a
+        # finalizing interpreter and aborts the rank ("terminate called without an active
+        # exception", backtrace in ProcessGroupGloo::runLoop). Collected here, the group is
+        # destroyed with the interpreter alive, and its threads join.
+        gc.collect()
         dist.destroy_process_group()
 
 
