@@ -156,16 +156,22 @@ using GroupI = I[kVectorsPerGroup];
 // Codes of one vector of a group.
 
 // codec::decode_moment under a scale of 1 (exact) for the codes 0..127, and the magnitude of
-// -128's: the codec's own decode, run once when the library loads.
+// -128's: the codec's own decode, evaluated by the compiler. It must be constant: this header
+// is compiled once per ISA, and a table built by a constructor would run, vectorized for that
+// ISA, when the library loads, on whatever CPU loads it (an AVX-512 constructor killed
+// `import pagedoptim` with SIGILL on every CPU without AVX-512). scripts/check_isa_objects.py
+// holds every ISA translation unit to that.
 struct MomentMagnitudes {
   alignas(64) float entries[128];
   float of_minus_128;
-  MomentMagnitudes() {
-    for (int q = 0; q < 128; ++q) entries[q] = codec::decode_moment(int8_t(q), 1.0f);
-    of_minus_128 = -codec::decode_moment(int8_t(-128), 1.0f);
-  }
 };
-inline const MomentMagnitudes kMomentMagnitudes;
+constexpr MomentMagnitudes moment_magnitudes() {
+  MomentMagnitudes magnitudes{};
+  for (int q = 0; q < 128; ++q) magnitudes.entries[q] = codec::decode_moment(int8_t(q), 1.0f);
+  magnitudes.of_minus_128 = -codec::decode_moment(int8_t(-128), 1.0f);
+  return magnitudes;
+}
+inline constexpr MomentMagnitudes kMomentMagnitudes = moment_magnitudes();
 
 // codec::decode_moment of a vector of codes.
 // Where a 128-entry table fits in registers (AVX-512), the division is a lookup: Intel's

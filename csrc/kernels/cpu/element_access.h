@@ -9,7 +9,16 @@
 // add, fp16 uses the F16C conversion instructions when the translation unit is compiled
 // with them (GCC then vectorizes _Float16 <-> float casts) and the portable bit-level
 // conversion otherwise.
+//
+// In the namespace of the ISA the translation unit is compiled for (PO_CPU_ISA), as simd.h
+// is: these inline functions compiled with -mavx2 are other functions than the baseline's,
+// and under one name the linker keeps one copy for every table (Fp16Master::split, compiled
+// with VEX encodings, was such a weak definition; scripts/check_isa_objects.py finds them).
 #pragma once
+
+#ifndef PO_CPU_ISA
+#error "PO_CPU_ISA must name the ISA this translation unit is compiled for"
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -19,7 +28,7 @@
 #include "pagedoptim/codec/float_convert.h"
 #include "pagedoptim/codec/master_split.h"
 
-namespace pagedoptim::kernels {
+namespace pagedoptim::kernels::PO_CPU_ISA {
 
 struct Float32Access {
   using Storage = float;
@@ -146,4 +155,4 @@ inline void with_param_io(const ParamSpan& span, const MasterResidual& residual,
   }
 }
 
-}  // namespace pagedoptim::kernels
+}  // namespace pagedoptim::kernels::PO_CPU_ISA

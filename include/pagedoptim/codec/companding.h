@@ -115,10 +115,15 @@ PO_HOST_DEVICE int8_t encode_moment(float value, float inverse_scale) {
   return int8_t(int32_t(round_half_even(code)));
 }
 
-PO_HOST_DEVICE float decode_moment(int8_t code, float scale) {
+// constexpr so that the CPU kernels' decode table (kernels/cpu/companded_groups.h) is this
+// function's values computed by the compiler, not by code run when the library loads. |q| is
+// written out because fabsf is not constexpr before C++23; negating a float converted from an
+// int8 is exact, so the value is the same.
+PO_HOST_DEVICE constexpr float decode_moment(int8_t code, float scale) {
   // z / (2 - |z|) with z = q / 127 is q / (254 - |q|): one correctly rounded division.
   const float q = float(code);
-  return q / (2.0f * kMomentCodeMax - fabsf(q)) * scale;
+  const float magnitude = code < 0 ? -q : q;
+  return q / (2.0f * kMomentCodeMax - magnitude) * scale;
 }
 
 // Largest |value| of the group as an fp32 pattern: non-negative floats order like their bit
