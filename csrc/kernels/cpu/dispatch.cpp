@@ -15,9 +15,7 @@ namespace avx2 { extern const CpuKernelTable kTable; }
 namespace avx512 { extern const CpuKernelTable kTable; }
 #endif
 
-namespace {
-
-bool cpu_supports(const char* isa) {
+bool cpu_runs_isa(const char* isa) {
 #if defined(__x86_64__)
   __builtin_cpu_init();
   if (std::strcmp(isa, "avx512") == 0) {
@@ -33,6 +31,8 @@ bool cpu_supports(const char* isa) {
   return std::strcmp(isa, "baseline") == 0;
 }
 
+namespace {
+
 const CpuKernelTable& choose() {
   const char* cap = std::getenv("PAGEDOPTIM_CPU_ISA");
   const char* order[] = {"avx512", "avx2", "baseline"};
@@ -41,7 +41,7 @@ const CpuKernelTable& choose() {
     if (!allowed && std::strcmp(isa, cap) == 0) allowed = true;
     if (!allowed) continue;
     const CpuKernelTable* table = cpu_kernels_for_isa(isa);
-    if (table != nullptr && cpu_supports(isa)) return *table;
+    if (table != nullptr && cpu_runs_isa(isa)) return *table;
   }
   if (!allowed) {
     throw std::invalid_argument(std::string("PAGEDOPTIM_CPU_ISA must be one of avx512, avx2, "

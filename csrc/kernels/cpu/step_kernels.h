@@ -29,4 +29,8 @@ const CpuKernelTable& cpu_kernels();
 // One table per ISA this binary was compiled for, for tests that compare them.
 const CpuKernelTable* cpu_kernels_for_isa(const char* isa);
 
+// Whether this CPU can run the kernels of `isa` ("avx512", "avx2" or "baseline"): what the
+// choice above asks, and what a test asks before it runs a table.
+bool cpu_runs_isa(const char* isa);
+
 }  // namespace pagedoptim::kernels

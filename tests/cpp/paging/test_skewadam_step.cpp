@@ -9,6 +9,7 @@
 #include <random>
 #include <vector>
 
+#include "isa_test_util.h"
 #include "kernels/cpu/skewadam_kernels.h"
 #include "pagedoptim/optim/paged_state.h"
 
@@ -65,42 +66,46 @@ std::vector<float> random_grad(int64_t n, std::mt19937& rng, int64_t cols) {
   return g;
 }
 
-TEST(SkewAdamKernels, StatisticsMatchDoubleReferenceOnEveryIsa) {
+// Once per ISA; one this CPU cannot run is reported as skipped.
+class SkewAdamKernels : public ::testing::TestWithParam<const char*> {
+ protected:
+  void SetUp() override { PO_SKIP_UNLESS_ISA_RUNS(GetParam()); }
+};
+
+TEST_P(SkewAdamKernels, StatisticsMatchDoubleReference) {
+  const char* isa = GetParam();
+  const kernels::SkewAdamKernelTable* table = kernels::skewadam_kernels_for_isa(isa);
   std::mt19937 rng(5);
-  for (const char* isa : {"baseline", "avx2", "avx512"}) {
-    const kernels::SkewAdamKernelTable* table = kernels::skewadam_kernels_for_isa(isa);
-    if (table == nullptr) continue;
-    if (std::strcmp(isa, "baseline") != 0 && std::strcmp(kernels::cpu_kernels().isa, isa) != 0) {
-      continue;  // only what runs here
-    }
-    for (auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 1}, {5, 13}, {33, 47}, {64, 16}}) {
-      std::vector<float> row(size_t(rows), 0.0f), col(size_t(cols), 0.0f);
-      std::vector<double> ref_row(size_t(rows), 0.0), ref_col(size_t(cols), 0.0);
-      std::vector<float> row_coef(static_cast<size_t>(rows)), col_coef(static_cast<size_t>(cols));
-      std::vector<float> scratch(static_cast<size_t>(cols));
-      for (long step = 1; step <= 3; ++step) {
-        const std::vector<float> grad = random_grad(rows * cols, rng, cols);
-        const codec::SkewAdamScalars s =
-            codec::make_skewadam_scalars(kLr, kBeta1, kBeta2, kEps, kWd, step);
-        table->factor_statistics(kernels::FactorStatistics{grad.data(), kernels::ElementType::kFloat32,
-                                                           rows, cols, row.data(), col.data(),
-                                                           row_coef.data(), col_coef.data(),
-                                                           scratch.data()},
-                                 s);
-        const std::vector<double> u = reference_directions(grad.data(), rows, cols, ref_row,
-                                                           ref_col, step);
-        for (int64_t i = 0; i < rows; ++i) {
-          EXPECT_NEAR(row[size_t(i)], ref_row[size_t(i)], 1e-5 * ref_row[size_t(i)]) << isa;
-          for (int64_t j = 0; j < cols; ++j) {
-            const double ours = double(grad[size_t(i * cols + j)]) * row_coef[size_t(i)] *
-                                col_coef[size_t(j)];
-            EXPECT_NEAR(ours, u[size_t(i * cols + j)], 1e-5) << isa << " " << rows << "x" << cols;
-          }
+  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 1}, {5, 13}, {33, 47}, {64, 16}}) {
+    std::vector<float> row(size_t(rows), 0.0f), col(size_t(cols), 0.0f);
+    std::vector<double> ref_row(size_t(rows), 0.0), ref_col(size_t(cols), 0.0);
+    std::vector<float> row_coef(static_cast<size_t>(rows)), col_coef(static_cast<size_t>(cols));
+    std::vector<float> scratch(static_cast<size_t>(cols));
+    for (long step = 1; step <= 3; ++step) {
+      const std::vector<float> grad = random_grad(rows * cols, rng, cols);
+      const codec::SkewAdamScalars s =
+          codec::make_skewadam_scalars(kLr, kBeta1, kBeta2, kEps, kWd, step);
+      table->factor_statistics(kernels::FactorStatistics{grad.data(), kernels::ElementType::kFloat32,
+                                                         rows, cols, row.data(), col.data(),
+                                                         row_coef.data(), col_coef.data(),
+                                                         scratch.data()},
+                               s);
+      const std::vector<double> u = reference_directions(grad.data(), rows, cols, ref_row,
+                                                         ref_col, step);
+      for (int64_t i = 0; i < rows; ++i) {
+        EXPECT_NEAR(row[size_t(i)], ref_row[size_t(i)], 1e-5 * ref_row[size_t(i)]) << isa;
+        for (int64_t j = 0; j < cols; ++j) {
+          const double ours = double(grad[size_t(i * cols + j)]) * row_coef[size_t(i)] *
+                              col_coef[size_t(j)];
+          EXPECT_NEAR(ours, u[size_t(i * cols + j)], 1e-5) << isa << " " << rows << "x" << cols;
         }
       }
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Isa, SkewAdamKernels, ::testing::Values("baseline", "avx2", "avx512"),
+                         ::pagedoptim::test::isa_param_name);
 
 TEST(SkewAdamStep, DriverMatchesReferenceAcrossPagesAndTiers) {
   // Kinds: 0 fp32 momentum (factored backbone), 1 none (fp32 experts), 2 fp32 momentum +
