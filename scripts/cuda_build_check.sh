@@ -86,6 +86,10 @@ own_runtime=$(nm "$so" | awk '$2 ~ /^[TtWwDd]$/ && $3 ~ /^(cuda[A-Z]|__cudaRegis
 [ -z "$own_runtime" ] || fail "$so defines CUDA runtime functions (a static cudart?): ${own_runtime:0:200}"
 ldd_cudart=$(ldd "$so" | awk '/libcudart/ { print $1 " => " $3 }')
 echo "ldd: $ldd_cudart"
+# The CUDA build is the module GPU users install: it too must load on any x86-64 CPU.
+if [ "$(uname -m)" = x86_64 ]; then
+  "$LINT_PYTHON" scripts/check_isa_objects.py --binary "$so" || fail "ISA code at load time in $so"
+fi
 
 # From outside the checkout (-I: neither the current directory nor PYTHONPATH on sys.path), so
 # the installed wheel is what loads. Once loaded, exactly one libcudart is mapped: torch's.
