@@ -7,8 +7,12 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 
+packages=(build-essential cmake ninja-build ccache liburing-dev libgtest-dev pkg-config)
+# qemu-user runs the module on emulated CPUs that have only one ISA each
+# (tests/python/test_emulated_cpus.py): the CPU under the tests may have any of them.
+[ "$(uname -m)" = x86_64 ] && packages+=(qemu-user)
 need_apt=()
-for pkg in build-essential cmake ninja-build ccache liburing-dev libgtest-dev pkg-config; do
+for pkg in "${packages[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then

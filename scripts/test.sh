@@ -38,6 +38,16 @@ if command -v nvcc >/dev/null 2>&1; then
   ./scripts/cuda_build_check.sh
 fi
 
+# The ISA tests skip an ISA this CPU lacks: say which were compared here, and which run only
+# on emulated CPUs (tests/python/test_emulated_cpus.py), whatever CPU this run landed on.
+"$PYTHON" -c '
+import pagedoptim._C as C
+native = [isa for isa in ("avx2", "avx512") if C.cpu_runs_isa(isa)]
+absent = [isa for isa in ("avx2", "avx512") if not C.cpu_runs_isa(isa)]
+print("== CPU kernel ISAs compared with the baseline natively:", ", ".join(native) or "none",
+      "| not on this CPU (their tests skipped):", ", ".join(absent) or "none",
+      "| on emulated CPUs in the Python tests: avx2 (qemu Haswell), baseline (qemu Nehalem)")'
+
 # One worker per core: the suite spends much of its time in child processes (ranks, the
 # examples, plan's peak measurements) and in imports, which overlap well.
 echo "== Python tests"

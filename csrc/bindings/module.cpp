@@ -47,4 +47,11 @@ PYBIND11_MODULE(_C, m) {
         "and pinned host bytes and allocations, streams, events.");
   m.def("cpu_isa", [] { return std::string(pagedoptim::kernels::cpu_kernels().isa); },
         "The ISA of the CPU kernels chosen for this machine.");
+  m.def("cpu_runs_isa", [](const std::string& isa) {
+          return pagedoptim::kernels::cpu_kernels_for_isa(isa.c_str()) != nullptr &&
+                 pagedoptim::kernels::cpu_runs_isa(isa.c_str());
+        },
+        pybind11::arg("isa"),
+        "Whether this module has CPU kernels for `isa` ('avx512', 'avx2' or 'baseline') and "
+        "this CPU can run them.");
 }
