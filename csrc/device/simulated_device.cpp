@@ -82,9 +82,13 @@ struct SimulatedDevice::Worker {
 };
 
 SimulatedDevice::SimulatedDevice(const SimulatedDeviceOptions& options)
-    : options_(options), next_seed_(options.seed) {}
+    : options_(options),
+      next_seed_(options.seed),
+      null_stream_(std::make_unique<Worker>(options.seed ^ 0x6A09E667F3BCC909ull,
+                                            options.max_delay_us, options.stall_one_in)) {}
 
 SimulatedDevice::~SimulatedDevice() {
+  null_stream_.reset();  // runs what is queued on it, which may still touch the memory below
   std::lock_guard<std::mutex> lock(memory_mutex_);
   for (auto& [memory, bytes] : allocations_) std::free(memory);
 }
@@ -156,8 +160,12 @@ SimulatedDeviceUsage SimulatedDevice::usage() {
   return usage;
 }
 
+SimulatedDevice::Worker* SimulatedDevice::worker(Stream stream) {
+  return stream == nullptr ? null_stream_.get() : static_cast<Worker*>(stream);
+}
+
 void SimulatedDevice::enqueue(Stream stream, std::function<void()> operation) {
-  auto* worker = static_cast<Worker*>(stream);
+  Worker* worker = this->worker(stream);
   {
     std::lock_guard<std::mutex> lock(worker->mutex);
     worker->queue.push_back(std::move(operation));
@@ -175,7 +183,7 @@ void SimulatedDevice::launch(Stream stream, std::function<void()> work) {
   enqueue(stream, std::move(work));
 }
 
-void SimulatedDevice::synchronize_stream(Stream stream) { static_cast<Worker*>(stream)->drain(); }
+void SimulatedDevice::synchronize_stream(Stream stream) { worker(stream)->drain(); }
 
 // The operations queued for an event share its state, so an event may be destroyed with
 // records or waits still queued, as CUDA allows.

@@ -80,6 +80,7 @@ class SimulatedDevice final : public Device {
   struct Worker;
   void* take(int64_t bytes, bool host);
   void give_back(void* memory, bool host) noexcept;
+  Worker* worker(Stream stream);  // the null stream's for nullptr
   void enqueue(Stream stream, std::function<void()> operation);
   std::shared_ptr<EventState> event_state(Event event);
 
@@ -92,6 +93,11 @@ class SimulatedDevice final : public Device {
   std::vector<std::pair<void*, int64_t>> allocations_;  // memory -> bytes, both kinds
   std::mutex events_mutex_;
   std::unordered_map<Event, std::shared_ptr<EventState>> events_;
+  // The null stream: CUDA's default stream, which torch's current stream is unless a user
+  // chose another. Every stream here, like every stream the CUDA device and torch's pool
+  // create, is non-blocking, so it is ordered with the null stream only by events (the
+  // legacy default stream's implicit waits apply to blocking streams alone).
+  std::unique_ptr<Worker> null_stream_;
 };
 
 }  // namespace pagedoptim::device

@@ -82,15 +82,16 @@ DeviceCacheStore::~DeviceCacheStore() {
 }
 
 device::Stream DeviceCacheStore::compute() const {
-  if (compute_ == nullptr) {
+  if (!compute_named_) {
     throw std::logic_error("the device cache was used before begin_use() named a stream");
   }
   return compute_;
 }
 
 void DeviceCacheStore::begin_use(device::Stream compute) {
-  if (compute_ != nullptr && compute != compute_) device_.wait(compute, compute_done_);
+  if (compute_named_ && compute != compute_) device_.wait(compute, compute_done_);
   compute_ = compute;
+  compute_named_ = true;
 }
 
 void DeviceCacheStore::end_use() { device_.record(compute_done_, compute()); }

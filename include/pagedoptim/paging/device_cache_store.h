@@ -81,7 +81,8 @@ class DeviceCacheStore final : public PageStore {
   DeviceCacheStore& operator=(const DeviceCacheStore&) = delete;
 
   // The compute stream of the pins that follow. Work on it is ordered after the pages'
-  // uses on the previous compute stream.
+  // uses on the previous compute stream. A null handle is a stream too: CUDA's default
+  // stream, which is what torch's current stream is unless the user chose another.
   void begin_use(device::Stream compute);
   // Everything enqueued on the compute stream so far is the pages' latest use.
   void end_use();
@@ -174,7 +175,8 @@ class DeviceCacheStore final : public PageStore {
   const EvictionPolicy policy_;
   device::Stream to_device_ = nullptr;
   device::Stream to_host_ = nullptr;
-  device::Stream compute_ = nullptr;
+  device::Stream compute_ = nullptr;  // meaningful once compute_named_
+  bool compute_named_ = false;        // begin_use() has named a stream (the null one counts)
   device::Event compute_done_ = nullptr;  // the compute stream's latest use of the pages
   device::Event sync_event_ = nullptr;    // read_bytes / write_bytes wait on it
 

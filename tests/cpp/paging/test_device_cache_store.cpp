@@ -215,6 +215,23 @@ TEST_P(DeviceCacheProperty, StateDictWritesLandInPlace) {
   expect_matches_model();
 }
 
+// torch's current stream is CUDA's default stream, a null handle, unless the user chose
+// another: the cache takes it as it takes any stream, and a switch to a side stream and
+// back orders the new stream's work after the pages' uses on the old one.
+TEST_P(DeviceCacheProperty, DefaultStreamThenASideStreamThenTheDefaultAgain) {
+  const device::Stream side = compute_;
+  std::vector<int32_t> plan(kPages);
+  std::iota(plan.begin(), plan.end(), 0);
+  for (uint64_t s = 1; s <= 6; ++s) {
+    compute_ = s % 3 == 2 ? side : nullptr;  // default, side, default, default, side, default
+    std::reverse(plan.begin(), plan.end());
+    step(plan, s, /*read_some=*/s % 2 == 0);
+  }
+  device_->synchronize_stream(nullptr);
+  compute_ = side;
+  expect_matches_model();
+}
+
 std::vector<Case> property_cases() {
   std::vector<Case> cases;
   for (const std::string home : {"host", "nvme"}) {
