@@ -403,6 +403,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         frees the gradient, so at most one parameter's gradient is alive at a time."""
         if p.grad is None:
             return
+        release_guard.check_backward_not_scaled()
         if id(p) in self._released_this_round:
             raise RuntimeError(
                 "release_grads=True steps each parameter inside backward and frees its "

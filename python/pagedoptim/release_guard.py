@@ -17,6 +17,11 @@ so two things that read gradients after backward would silently go wrong:
 - **data parallelism**: under DDP (or any multi-rank run) the hook fires before the
   gradients are all-reduced, so each rank would step with its own gradient and the ranks
   would drift apart. The first released step in a multi-rank process raises.
+- **GradScaler**: its gradients are scaled until `scaler.step` unscales them, which with
+  release is after they were applied. `GradScaler.scale` is wrapped so that the losses it
+  scales mark the backward they start, and the first release hook of such a backward
+  raises, before any parameter changed (`step()` alone would see the scaler only after a
+  whole step was taken with scaled gradients).
 
 The clipping functions are wrapped once, when the first such optimizer is created (and,
 for accelerate, at the first released step if accelerate was imported after that); the
@@ -37,6 +42,10 @@ from typing import Any, Callable
 import torch
 
 _watched: "weakref.WeakSet[Any]" = weakref.WeakSet()
+# Autograd's graph tasks (one per backward call) that started from a loss GradScaler scaled;
+# the ids only grow, so one that ended never matches a later backward.
+_scaled_graph_tasks: set[int] = set()
+_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 _warned_about_norm: "weakref.WeakSet[Any]" = weakref.WeakSet()  # once per optimizer
 
 
@@ -108,9 +117,54 @@ def _guard(original: Callable[..., Any], name: str, limit_argument: str,
 _CLIPPING = (("clip_grad_norm_", "max_norm"), ("clip_grad_value_", "clip_value"))
 
 
+def check_backward_not_scaled() -> None:
+    """Raises in a release hook of a backward that started from a loss GradScaler scaled."""
+    if _current_graph_task_id is None or _current_graph_task_id() not in _scaled_graph_tasks:
+        return
+    raise RuntimeError(
+        "GradScaler cannot be used with release_grads=True: this backward started from a "
+        "loss GradScaler scaled, so its gradients are scaled until scaler.step() unscales "
+        "them, but release applies each one inside backward. Nothing was stepped. Use "
+        "release_grads=False with GradScaler, or train in bf16, which needs no loss scaling")
+
+
+def _mark_scaled_backward(grad: torch.Tensor) -> None:
+    """Hook on a scaled loss: runs first in the backward that starts from it."""
+    if len(_scaled_graph_tasks) > 64:  # ended backward calls: their ids never come back
+        _scaled_graph_tasks.clear()
+    _scaled_graph_tasks.add(_current_graph_task_id())
+
+
+def _tensors_in(outputs: Any) -> list[torch.Tensor]:
+    """The tensors of GradScaler.scale's result: a tensor or nested iterables of them."""
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
+    if isinstance(outputs, (str, bytes)) or not hasattr(outputs, "__iter__"):
+        return []
+    return [t for item in outputs for t in _tensors_in(item)]
+
+
+def _guard_scale(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def scale(self: Any, outputs: Any) -> Any:
+        scaled = original(self, outputs)
+        if _watched and _current_graph_task_id is not None and self.is_enabled():
+            for tensor in _tensors_in(scaled):
+                if tensor.requires_grad:
+                    tensor.register_hook(_mark_scaled_backward)
+        return scaled
+
+    scale.__wrapped_by_pagedoptim__ = original  # type: ignore[attr-defined]
+    return scale
+
+
 def install() -> None:
-    """Wraps the clipping functions that are not wrapped yet: torch's always, accelerate's
-    when accelerate is imported (importing it here would cost every user its start-up)."""
+    """Wraps GradScaler.scale and the clipping functions that are not wrapped yet: torch's
+    always, accelerate's when accelerate is imported (importing it here would cost every
+    user its start-up)."""
+    scaler = torch.amp.GradScaler
+    if not hasattr(scaler.scale, "__wrapped_by_pagedoptim__"):
+        scaler.scale = _guard_scale(scaler.scale)
     utils = torch.nn.utils
     for name, limit_argument in _CLIPPING:
         current = getattr(utils, name)

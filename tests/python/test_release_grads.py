@@ -137,11 +137,18 @@ def test_step_with_closure_raises():
         opt.step(closure)
 
 
-def test_grad_scaler_raises():
+def test_grad_scaler_is_refused_before_any_param_changes():
     model = Net(torch.float32)
+    before = [p.detach().clone() for p in model.parameters()]
     opt = po.AdamW(model.parameters(), lr=1e-3, release_grads=True)
     scaler = torch.amp.GradScaler("cpu")
-    scaler.scale(loss_of(model, 0)).backward()
-    with pytest.raises(RuntimeError, match="GradScaler"):
-        scaler.step(opt)
+    with pytest.raises(RuntimeError, match="GradScaler.*Nothing was stepped"):
+        scaler.scale(loss_of(model, 0)).backward()
+    for p, old in zip(model.parameters(), before):
+        assert torch.equal(p, old)
+    # The refusal belongs to that backward: one from an unscaled loss releases as usual.
+    opt.zero_grad()
+    loss_of(model, 1).backward()
+    opt.step()
+    assert any(not torch.equal(p, old) for p, old in zip(model.parameters(), before))
 
