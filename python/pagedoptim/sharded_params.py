@@ -249,8 +249,13 @@ def as_dtensor(layout: ShardLayout, local: torch.Tensor, per_group: bool,
     """A stream of the local shard as a DTensor placed as the global stream would be. Its
     local tensor stays where the engine put it (host memory, as for plain CUDA params, so a
     checkpoint of offloaded state does not fill the GPU; torch's gather and broadcast move
-    each tensor to the mesh's device one at a time)."""
+    each tensor to the mesh's device one at a time).
+
+    Built from its spec, as FSDP2 builds its CPU-offloaded params: DTensor.from_local would
+    copy a local tensor on another device than the mesh's (host state on a CUDA mesh) to the
+    mesh's device."""
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     if per_group:
         box, placements = layout.scales(where)
         shape = box.global_shape
@@ -259,8 +264,10 @@ def as_dtensor(layout: ShardLayout, local: torch.Tensor, per_group: bool,
         shape = layout.elements.global_shape
         if local.is_complex():  # the complex moment of a complex param: the param's shape
             shape = shape[:-1]
-    return DTensor.from_local(local, layout.mesh, placements, run_check=False,
-                              shape=torch.Size(shape), stride=contiguous_strides(shape))
+    spec = DTensorSpec(layout.mesh, tuple(placements),
+                       tensor_meta=TensorMeta(torch.Size(shape), contiguous_strides(shape),
+                                              local.dtype))
+    return DTensor(local, spec, requires_grad=False)
 
 
 def local_part(layout: ShardLayout, value: torch.Tensor, per_group: bool,

@@ -374,3 +374,25 @@ def test_a_tensor_subclass_it_cannot_step_raises():
     with pytest.raises(TypeError, match=r"params\[0\] is a TwoTensor, a tensor subclass "
                                         "pagedoptim cannot step"):
         po.AdamW([param])
+
+
+def _host_state_on_another_devices_mesh(rank, world_size):
+    # A mesh whose device is not the state's, as a CUDA mesh is for offloaded (host) state.
+    # On the CPU the "meta" device stands in for CUDA: DTensor.from_local moves a local
+    # tensor to the mesh's device, to CUDA there and to meta (losing the values) here.
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard
+    from pagedoptim import sharded_params
+    mesh = DeviceMesh("meta", list(range(world_size)))
+    local = torch.arange(8, dtype=torch.float32) + 8 * rank
+    layout = sharded_params.ShardLayout(
+        mesh, (Shard(0),), sharded_params.Box((8 * world_size,), (8,), (8 * rank,)))
+    state = sharded_params.as_dtensor(layout, local, per_group=False, where=lambda: "state")
+    return state.to_local().device.type, state.to_local().data_ptr() == local.data_ptr(), \
+        tuple(state.shape)
+
+
+def test_state_dict_dtensors_keep_host_state_where_it_is(tmp_path):
+    for device, same_memory, shape in run_ranks(_host_state_on_another_devices_mesh, 2,
+                                                tmp_path=tmp_path):
+        assert (device, same_memory, shape) == ("cpu", True, (16,))
