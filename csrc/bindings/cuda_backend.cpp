@@ -403,6 +403,13 @@ void on_state_stream(DeviceState& store, const float* found_inf, const float* gr
                      const Enqueue& enqueue) {
   c10::cuda::CUDAGuard guard(store.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(store.device()).stream();
+  // The work tables go through pinned buffers reused once copied, and pages move between
+  // steps: a graph replay would read what later steps wrote (optimizer.py refuses first).
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(stream, &capture), "asking whether the stream captures");
+  TORCH_CHECK(capture == cudaStreamCaptureStatusNone,
+              "pagedoptim's step cannot be captured in a CUDA graph: a replay would reuse host "
+              "buffers and pages that have changed since the capture");
   store.begin_use(stream);
   CudaTableRunner runner(store.device(), stream, found_inf, grad_scale);
   try {

@@ -42,6 +42,19 @@ _KIND_WITH_RESIDUAL = 1
 _CPU = torch.device("cpu")
 
 
+
+def _refuse_cuda_graph_capture() -> None:
+    """A step cannot be captured in a CUDA graph: its work tables reach the GPU through
+    pinned host buffers that are reused once copied, paging moves pages between steps, and
+    CPU params' steps are not GPU work at all. A replay would read memory rewritten since,
+    or silently skip the step, so a capture is refused before anything changes."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "pagedoptim's step cannot be captured in a CUDA graph (torch.cuda.graph, "
+            "CUDAGraph.capture_begin): a replay would reuse host buffers and pages that have "
+            "changed since the capture. Run optimizer.step() outside the captured region; "
+            "torch.compile(mode='reduce-overhead') already leaves it out")
+
 class PagedOptimizer(torch.optim.Optimizer):
     """Base class; subclasses set `_kind` and implement the hooks marked below."""
 
@@ -248,6 +261,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                      amp: dict[str, torch.Tensor]) -> None:
         """Steps each (param, group index, grad, tensors) in one native call per round;
         `tensors` are _add_to_batch's target and step (given by a compiled step's op)."""
+        _refuse_cuda_graph_capture()
         self.state.sync()
         hyperparameters = [self._group_hyperparameters(group) for group in self.param_groups]
         # After a step that raised: a retry finishes it, anything else is refused
@@ -403,6 +417,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         frees the gradient, so at most one parameter's gradient is alive at a time."""
         if p.grad is None:
             return
+        _refuse_cuda_graph_capture()
         release_guard.check_backward_not_scaled()
         if id(p) in self._released_this_round:
             raise RuntimeError(

@@ -408,3 +408,12 @@ def test_param_given_twice_steps_twice_under_compile(fresh_dynamo):
         eager_opt.step()
     assert compiled_opt.state[compiled_params[0]]["step"] == 6
     _assert_identical(compiled_opt, eager_opt, compiled_params, eager_params)
+
+
+def test_the_step_op_is_left_out_of_cuda_graphs():
+    # torch.compile(mode="reduce-overhead") captures CUDA graphs around what it compiles;
+    # a replay of the step would reuse the captured step's host buffers and pages.
+    if not hasattr(torch.Tag, "cudagraph_unsafe"):
+        pytest.skip("this torch has no cudagraph_unsafe tag")
+    op = getattr(torch.ops.pagedoptim, compiled_step.OP_NAME.split("::")[1]).default
+    assert torch.Tag.cudagraph_unsafe in op.tags

@@ -1197,3 +1197,20 @@ def test_large_param_above_2_31_elements():
     if free < needed:
         pytest.skip(f"needs {needed / 1e9:.0f} GB of free device memory, {free / 1e9:.0f} GB free")
     check_slices_after_one_step(numel, span=1 << 20, middle=1 << 31, device=DEVICE)
+
+
+def test_a_step_captured_in_a_cuda_graph_is_refused():
+    # The work tables reach the GPU through pinned buffers reused after each copy: a replay
+    # would read what later steps wrote there. Refused before anything is enqueued.
+    p = torch.randn(1000, device="cuda", requires_grad=True)
+    p.grad = torch.randn_like(p)
+    opt = po.AdamW([p], lr=1e-2)
+    opt.step()  # state exists, as it would before a capture
+    before = p.detach().clone()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with pytest.raises(RuntimeError, match="CUDA graph"):
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            opt.step()
+    torch.cuda.synchronize()
+    assert torch.equal(p.detach(), before)

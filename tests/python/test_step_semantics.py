@@ -172,3 +172,19 @@ def test_grad_scaler_skips_steps_with_inf(name, batches):
         scale.update(ref_params)
         assert_params_close(params, ref_params, scale, FP32_TOL,
                             f"{name} under GradScaler after step {t + 1}")
+
+
+@pytest.mark.parametrize("release_grads", [False, True])
+def test_a_step_inside_cuda_graph_capture_is_refused_before_anything_changes(
+        monkeypatch, release_grads, batches):
+    # What torch reports while a stream captures; a real capture is in test_cuda_step.py.
+    model = TinyModel()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = OURS["AdamW"](model.parameters(), lr=1e-2, release_grads=release_grads)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="CUDA graph"):
+        model_loss(model, batches[0]).backward()
+        opt.step()
+    assert all(torch.equal(p, old) for p, old in zip(model.parameters(), before))
+    assert not opt.state or all(not s for s in opt.state.values())
