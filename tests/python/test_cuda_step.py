@@ -44,6 +44,7 @@ from torch import nn
 import pagedoptim as po
 from conftest import cuda_skip_reason
 from pagedoptim._native import native
+from pagedoptim import interrupted_step
 from pagedoptim.optimizer import _StepBatch
 
 GROUP = 32  # elements per quantization group (one fp16 scale each)
@@ -337,6 +338,9 @@ def test_cuda_step_is_bit_identical_to_the_cpu_step(name, fmt, page_bytes):
     run.step(grads(2))
     run.assert_identical(f"{name} {_format_id(fmt)} page_bytes={page_bytes}")
     for p in run.cuda:
+        if not run.cuda_opt._step_in_state:  # SGD keeps no step, as torch.optim.SGD
+            assert "step" not in run.cuda_opt.state[p]
+            continue
         step = run.cuda_opt.state[p]["step"]
         assert step.device == p.device and step.dtype == torch.float32 and step.dim() == 0
 
@@ -534,6 +538,8 @@ def test_state_dict_moves_between_cpu_and_cuda(name, fmt):
     opt_cuda_from_cpu = factory(cuda_from_cpu, **kwargs)
     opt_cuda_from_cpu.load_state_dict(copy.deepcopy(run.cpu_opt.state_dict()))
     for q in cuda_from_cpu:
+        if not opt_cuda_from_cpu._step_in_state:  # SGD keeps no step, as torch.optim.SGD
+            continue
         step = opt_cuda_from_cpu.state[q]["step"]
         assert step.device == q.device and step.dtype == torch.float32
 
@@ -893,8 +899,9 @@ def test_cpu_grad_for_a_cuda_param_names_the_param():
     for p in params:
         opt._add_to_batch(batch, p, torch.randn(8, device=DEVICE), 0)
     batch.grads[1] = torch.randn(8)
+    pending = [(p, 0, g, {}) for p, g in zip(batch.params, batch.grads)]
     with pytest.raises(ValueError, match=r"param 1\b"):
-        opt._run(batch)
+        opt._run(batch, interrupted_step.StepFingerprint.of(pending, batch.hyperparameters))
 
 
 def test_params_on_two_devices_are_refused():
