@@ -210,7 +210,8 @@ def _check_sparse_indices(value: torch.Tensor, where: str) -> None:
     indices = value._indices()
     if indices.numel() == 0:
         return
-    sizes = torch.tensor(value.shape[:value.sparse_dim()], dtype=indices.dtype)
+    sizes = torch.tensor(value.shape[:value.sparse_dim()], dtype=indices.dtype,
+                         device=indices.device)
     if bool((indices < 0).any()) or bool((indices >= sizes[:, None]).any()):
         raise ValueError(f"{where} is a sparse tensor with indices outside its size "
                          f"{tuple(value.shape)}")

@@ -1221,3 +1221,19 @@ def test_a_step_captured_in_a_cuda_graph_is_refused():
             opt.step()
     torch.cuda.synchronize()
     assert torch.equal(p.detach(), before)
+
+
+def test_a_hostile_sparse_cuda_tensor_in_state_is_refused_by_its_indices():
+    # The indices are on the GPU: the check compares them with sizes on the same device.
+    import warnings
+    p = nn.Parameter(torch.randn(70, device=DEVICE))
+    opt = po.AdamW([p], lr=1e-2, state_bits=32, master_bits=None)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hostile = torch.sparse_coo_tensor(torch.tensor([[1_000_000]], device=DEVICE),
+                                          torch.tensor([1.0], device=DEVICE), (70,),
+                                          check_invariants=False)
+    with pytest.raises(ValueError, match="indices outside its size"):
+        opt.state[p]["exp_avg"] = hostile
