@@ -371,6 +371,10 @@ class PagedOptimizer(torch.optim.Optimizer):
             # stepped on contiguous copies, or a retry could not finish the step.
             # Copies of the state read before the step no longer hold it.
             self.state.retire_all()
+            # The kernels wrote the params through their pointers: tell autograd, as an
+            # in-place op would, so a graph that saved a param before the step refuses to
+            # backward through it (torch.optim's in-place updates raise there too).
+            torch.autograd.graph.increment_version(batch.params)
             for p, work in batch.write_back:
                 p.copy_(work)
 

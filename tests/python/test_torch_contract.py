@@ -633,3 +633,24 @@ def test_a_whole_state_entry_that_cannot_be_written_leaves_the_state_as_it_was()
     assert all(torch.equal(ours.state[p][k], v) for k, v in before.items())
     run_both(ours, theirs, [p], [q], 2, start=2)  # and it goes on as torch's does
     assert torch.equal(ours.state[p]["exp_avg"], theirs.state[q]["exp_avg"])
+
+
+@pytest.mark.parametrize("make", [
+    lambda params: torch.optim.AdamW(params, lr=1e-2),
+    lambda params: po.AdamW(params, lr=1e-2),
+    lambda params: po.AdamW(params, lr=1e-2, offload="host", page_bytes=4096, cache_bytes=4096),
+    lambda params: po.SGD(params, lr=1e-2, momentum=0.9),
+    lambda params: po.Lion(params, lr=1e-3),
+], ids=["torch", "adamw", "adamw-paged", "sgd", "lion"])
+def test_a_graph_that_saved_a_param_refuses_backward_after_a_step_as_torch_does(make):
+    # The kernels write through the params' pointers; autograd must still learn of it, or a
+    # backward through a graph built before the step uses the new values silently.
+    p = nn.Parameter(torch.randn(300))
+    opt = make([p])
+    version = p._version
+    saved_p = (p * p).sum()  # saves p for its backward
+    p.grad = torch.randn(300)
+    opt.step()
+    assert p._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved_p.backward()
