@@ -42,6 +42,13 @@ _KIND_WITH_RESIDUAL = 1
 _CPU = torch.device("cpu")
 
 
+# A model split over several GPUs (device_map="auto", a QLoRA split over two cards).
+_ONE_OPTIMIZER_PER_DEVICE = (
+    "An optimizer keeps its state in one engine on one device (its pages, cache and copy "
+    "streams); for a model split over devices, build one optimizer per device, e.g. "
+    "[po.AdamW([p for p in model.parameters() if p.device == d]) for d in devices] and step "
+    "each, or shard the model with FSDP2 (docs/drop_in.md, 'Params on several devices')")
+
 
 def _refuse_cuda_graph_capture() -> None:
     """A step cannot be captured in a CUDA graph: its work tables reach the GPU through
@@ -185,7 +192,8 @@ class PagedOptimizer(torch.optim.Optimizer):
                 self._device = p.device
             elif p.device != self._device:
                 raise ValueError(f"params must all be on one device: params[{index}] is on "
-                                 f"{p.device}, earlier params are on {self._device}")
+                                 f"{p.device}, earlier params are on {self._device}. "
+                                 f"{_ONE_OPTIMIZER_PER_DEVICE}")
         # torch warns about a param given twice in one group (and steps it twice); so do we.
         super().add_param_group({**param_group, "params": params})
         if self._options.release_grads:
@@ -490,7 +498,8 @@ class PagedOptimizer(torch.optim.Optimizer):
             for index, p in enumerate(self._indexed_params()):
                 if p.device != self._device:
                     raise ValueError(f"params must all be on one device: param {index} is on "
-                                     f"{p.device}, param 0 on {self._device}")
+                                     f"{p.device}, param 0 on {self._device}. "
+                                     f"{_ONE_OPTIMIZER_PER_DEVICE}")
             self._kinds = self._stream_kinds()
             native_kinds = [[spec.as_native() for spec in kind] for kind in self._kinds]
             store = paging.store_options(self._options, self._device)

@@ -332,3 +332,9 @@ def test_construction_does_not_touch_params(name):
     OURS[name](params, lr=0.1)
     assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
     assert all(p.grad is None for p in params)
+
+
+def test_params_on_two_devices_are_refused_with_what_to_do():
+    # "meta" stands in for a second GPU here; tests/python/test_cuda_step.py uses a real one.
+    with pytest.raises(ValueError, match=r"params\[1\] is on meta.*one optimizer per device"):
+        po.AdamW([nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(4, device="meta"))])
