@@ -136,10 +136,11 @@ def _as_optional_tensor(value: Any) -> Optional[torch.Tensor]:
 # cudagraph_unsafe: CUDA graphs (torch.compile's mode="reduce-overhead") must leave the op out;
 # a replay would reuse the host buffers and pages of the captured step (optimizer.py,
 # _refuse_cuda_graph_capture).
-_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+# (custom_op takes tags only from torch 2.8 on; older torch has no such tag either.)
+_TAGS = {"tags": (torch.Tag.cudagraph_unsafe,)} if hasattr(torch.Tag, "cudagraph_unsafe") else {}
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=("params", "steps"), tags=_TAGS)
+@torch.library.custom_op(OP_NAME, mutates_args=("params", "steps"), **_TAGS)
 def step_params_(optimizer_id: int, params: list[torch.Tensor], grads: list[torch.Tensor],
                  steps: list[torch.Tensor], positions: list[int],
                  found_inf: Optional[torch.Tensor] = None,

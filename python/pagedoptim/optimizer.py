@@ -332,6 +332,9 @@ class PagedOptimizer(torch.optim.Optimizer):
         if sharded_params.is_dtensor(p) or sharded_params.is_dtensor(grad):
             # FSDP2 / tensor parallelism: the local shards are stepped, with state for them.
             grad = sharded_params.local_grad(p, grad, lambda: self._describe(p))
+            # The step writes the local shard; a graph may have saved the DTensor itself
+            # (tensor parallelism), whose version counter is its own.
+            torch.autograd.graph.increment_version(values)
             values = sharded_params.local_tensor(values)
         if p.is_complex():
             # As torch.optim does: a complex param and its state are stepped as the real
@@ -382,7 +385,8 @@ class PagedOptimizer(torch.optim.Optimizer):
             # The kernels wrote the params through their pointers: tell autograd, as an
             # in-place op would, so a graph that saved a param before the step refuses to
             # backward through it (torch.optim's in-place updates raise there too).
-            torch.autograd.graph.increment_version(batch.params)
+            for param in batch.params:  # one at a time: torch < 2.5 takes no list
+                torch.autograd.graph.increment_version(param)
             for p, work in batch.write_back:
                 p.copy_(work)
 

@@ -396,3 +396,25 @@ def test_state_dict_dtensors_keep_host_state_where_it_is(tmp_path):
     for device, same_memory, shape in run_ranks(_host_state_on_another_devices_mesh, 2,
                                                 tmp_path=tmp_path):
         assert (device, same_memory, shape) == ("cpu", True, (16,))
+
+
+def _backward_through_a_saved_dtensor_after_a_step(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world_size,))
+    p = nn.Parameter(distribute_tensor(torch.randn(64, 8, generator=torch.Generator()
+                                                   .manual_seed(0)), mesh, [Shard(0)]))
+    opt = po.AdamW([p], lr=1e-2)
+    saved_p = (p * p).sum()  # tensor parallelism: the graph saves the DTensor param
+    p.grad = distribute_tensor(torch.ones(64, 8), mesh, [Shard(0)])
+    opt.step()
+    try:
+        saved_p.backward()
+    except RuntimeError as error:
+        return "modified by an inplace operation" in str(error)
+    return False
+
+
+def test_a_graph_that_saved_a_dtensor_param_refuses_backward_after_a_step(tmp_path):
+    assert run_ranks(_backward_through_a_saved_dtensor_after_a_step, 2,
+                     tmp_path=tmp_path) == [True, True]
