@@ -21,7 +21,8 @@ so two things that read gradients after backward would silently go wrong:
   release is after they were applied. `GradScaler.scale` is wrapped so that the losses it
   scales mark the backward they start, and the first release hook of such a backward
   raises, before any parameter changed (`step()` alone would see the scaler only after a
-  whole step was taken with scaled gradients).
+  whole step was taken with scaled gradients). The mark lasts until that backward ends, so
+  the inner backward calls of reentrant activation checkpoints are refused too.
 
 The clipping functions are wrapped once, when the first such optimizer is created (and,
 for accelerate, at the first released step if accelerate was imported after that); the
@@ -33,6 +34,7 @@ unchecked: docs/drop_in.md says so.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import sys
 import warnings
@@ -42,10 +44,12 @@ from typing import Any, Callable
 import torch
 
 _watched: "weakref.WeakSet[Any]" = weakref.WeakSet()
-# Autograd's graph tasks (one per backward call) that started from a loss GradScaler scaled;
-# the ids only grow, so one that ended never matches a later backward.
-_scaled_graph_tasks: set[int] = set()
-_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+# The backward calls running now that started from a loss GradScaler scaled: a token each,
+# added by a hook on the scaled loss (the first thing its backward runs) and removed by a
+# callback at the end of that backward. Not per graph task: a reentrant activation
+# checkpoint computes its params' gradients in an inner backward of its own.
+_scaled_backwards: set[int] = set()
+_tokens = itertools.count()
 _warned_about_norm: "weakref.WeakSet[Any]" = weakref.WeakSet()  # once per optimizer
 
 
@@ -119,8 +123,10 @@ _CLIPPING = (("clip_grad_norm_", "max_norm"), ("clip_grad_value_", "clip_value")
 
 def check_backward_not_scaled() -> None:
     """Raises in a release hook of a backward that started from a loss GradScaler scaled."""
-    if _current_graph_task_id is None or _current_graph_task_id() not in _scaled_graph_tasks:
+    if not _scaled_backwards:
         return
+    # The backward ends with this error, so its end callback never runs.
+    _scaled_backwards.clear()
     raise RuntimeError(
         "GradScaler cannot be used with release_grads=True: this backward started from a "
         "loss GradScaler scaled, so its gradients are scaled until scaler.step() unscales "
@@ -130,25 +136,27 @@ def check_backward_not_scaled() -> None:
 
 def _mark_scaled_backward(grad: torch.Tensor) -> None:
     """Hook on a scaled loss: runs first in the backward that starts from it."""
-    if len(_scaled_graph_tasks) > 64:  # ended backward calls: their ids never come back
-        _scaled_graph_tasks.clear()
-    _scaled_graph_tasks.add(_current_graph_task_id())
+    token = next(_tokens)
+    _scaled_backwards.add(token)
+    torch.autograd.Variable._execution_engine.queue_callback(
+        lambda: _scaled_backwards.discard(token))
 
 
 def _tensors_in(outputs: Any) -> list[torch.Tensor]:
-    """The tensors of GradScaler.scale's result: a tensor or nested iterables of them."""
+    """The tensors of GradScaler.scale's result: a tensor, or lists and tuples of them. (An
+    iterator it returns lazily is left alone: reading it here would empty it for the user.)"""
     if isinstance(outputs, torch.Tensor):
         return [outputs]
-    if isinstance(outputs, (str, bytes)) or not hasattr(outputs, "__iter__"):
-        return []
-    return [t for item in outputs for t in _tensors_in(item)]
+    if isinstance(outputs, (list, tuple)):
+        return [t for item in outputs for t in _tensors_in(item)]
+    return []
 
 
 def _guard_scale(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def scale(self: Any, outputs: Any) -> Any:
         scaled = original(self, outputs)
-        if _watched and _current_graph_task_id is not None and self.is_enabled():
+        if _watched and self.is_enabled():
             for tensor in _tensors_in(scaled):
                 if tensor.requires_grad:
                     tensor.register_hook(_mark_scaled_backward)

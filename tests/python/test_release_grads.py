@@ -137,8 +137,21 @@ def test_step_with_closure_raises():
         opt.step(closure)
 
 
-def test_grad_scaler_is_refused_before_any_param_changes():
-    model = Net(torch.float32)
+class CheckpointedNet(Net):
+    """Every param inside a reentrant activation checkpoint, as in the usual QLoRA setup:
+    its gradients come from an inner backward, a graph task of its own."""
+
+    def forward(self, tokens):
+        import torch.utils.checkpoint as checkpoint
+        hidden = self.embed(tokens)
+        hidden = checkpoint.checkpoint(lambda h: torch.tanh(self.hidden(h)), hidden,
+                                       use_reentrant=True)
+        return checkpoint.checkpoint(self.out, hidden, use_reentrant=True)
+
+
+@pytest.mark.parametrize("net", [Net, CheckpointedNet], ids=["plain", "reentrant-checkpoint"])
+def test_grad_scaler_is_refused_before_any_param_changes(net):
+    model = net(torch.float32)
     before = [p.detach().clone() for p in model.parameters()]
     opt = po.AdamW(model.parameters(), lr=1e-3, release_grads=True)
     scaler = torch.amp.GradScaler("cpu")
