@@ -39,7 +39,8 @@ import sys
 from typing import Iterable, Optional
 
 ISA_NAMESPACE = re.compile(r"pagedoptim::kernels::(avx2|avx512)::")
-INITIALIZER_SECTIONS = (".init_array", ".ctors", ".preinit_array")
+# The functions the loader calls when the module loads, and when the process exits.
+INITIALIZER_SECTIONS = (".init_array", ".ctors", ".preinit_array", ".fini_array", ".dtors")
 _AVX_REGISTER = re.compile(r"%(?:[yz]mm\d+|k[0-7])\b")
 # Instruction prefixes objdump prints before the mnemonic.
 _PREFIXES = {"lock", "rep", "repz", "repe", "repnz", "repne", "notrack", "bnd", "data16",
@@ -128,7 +129,7 @@ def sections(path: str) -> dict[str, Section]:
 
 
 def initializer_addresses(path: str, found: dict[str, Section]) -> list[int]:
-    """The functions the loader calls: the entries of the initializer arrays. In a
+    """The functions the loader calls: the entries of the initializer (and finalizer) arrays. In a
     position-independent file they are relocations (R_X86_64_RELATIVE, the address in the
     addend); otherwise the words of the section."""
     addresses: set[int] = set()
@@ -211,7 +212,7 @@ def check_binary(path: str) -> tuple[list[str], int]:
             elif ISA_NAMESPACE.search(function.name):
                 why = "enters an ISA's code"
             if why:
-                problems.append(f"{path}: load-time initializer {' -> '.join(chain)} {why}")
+                problems.append(f"{path}: load- or exit-time function {' -> '.join(chain)} {why}")
                 continue
             for target in function.branch_targets:
                 callee = function_at(target)
@@ -246,8 +247,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"check_isa_objects: {len(problems)} violation(s)")
         return 1
     print(f"check_isa_objects: {len(args.isa_objects)} ISA object(s) without initializers; "
-          f"{len(args.binary)} binary(ies), {initializers} load-time initializer(s) free of ISA "
-          f"code; AVX-class code only in ISA namespaces")
+          f"{len(args.binary)} binary(ies), {initializers} load- and exit-time function(s) free "
+          f"of ISA code; AVX-class code only in ISA namespaces")
     return 0
 
 
