@@ -260,9 +260,17 @@ class PagedOptimizer(torch.optim.Optimizer):
             compiled_step.step_under_compile(self)
             return loss
         amp = self._amp_arguments() if self._step_supports_amp_scaling else {}
-        self._step_params([(p, group_id, p.grad, {})
-                           for group_id, group in enumerate(self.param_groups)
-                           for p in group["params"] if p.grad is not None], amp)
+        try:
+            self._step_params([(p, group_id, p.grad, {})
+                               for group_id, group in enumerate(self.param_groups)
+                               for p in group["params"] if p.grad is not None], amp)
+        except BaseException:
+            # GradScaler.step sets these before calling step() and deletes them after it
+            # returns. After a raise they would stay, and the retry's scaler.step() would
+            # multiply the stale scale into the new one: the gradients divided twice.
+            for name in ("grad_scale", "found_inf"):
+                self.__dict__.pop(name, None)
+            raise
         return loss
 
     def _step_params(self, pending: list[tuple[torch.Tensor, int, torch.Tensor, dict[str, Any]]],

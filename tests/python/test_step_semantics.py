@@ -188,3 +188,22 @@ def test_a_step_inside_cuda_graph_capture_is_refused_before_anything_changes(
         opt.step()
     assert all(torch.equal(p, old) for p, old in zip(model.parameters(), before))
     assert not opt.state or all(not s for s in opt.state.values())
+
+
+def test_a_step_that_raises_drops_what_grad_scaler_handed_over(monkeypatch):
+    # GradScaler.step sets grad_scale / found_inf, calls step() and deletes them after it
+    # returns; left after a raise, the retry's scaler.step() multiplies the old scale into the
+    # new one (torch/amp/grad_scaler.py), dividing the gradients by the scale twice.
+    model = TinyModel()
+    opt = OURS["AdamW"](model.parameters(), lr=1e-2)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+
+    def failing_step(*args, **kwargs):  # a page that cannot be read, say
+        raise OSError("the page file is gone")
+
+    monkeypatch.setattr(opt, "_step_params", failing_step)
+    opt.grad_scale, opt.found_inf = torch.tensor(1024.0), torch.tensor(0.0)
+    with pytest.raises(OSError, match="page file"):
+        opt.step()
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
