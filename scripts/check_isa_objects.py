@@ -32,6 +32,7 @@ x86-64 CPU runs. Exits 1 and prints each violation; 0 with a summary line otherw
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import re
 import subprocess
@@ -69,13 +70,18 @@ def run_tool(*argv: str) -> str:
         sys.exit(f"check_isa_objects: {' '.join(argv)} failed: {error.stderr.strip()}")
 
 
-def is_avx_instruction(text: str) -> bool:
-    words = text.split()
-    while words and words[0] in _PREFIXES:
-        words = words[1:]
+def split_instruction(text: str) -> tuple[str, str]:
+    """(mnemonic, operands) of one instruction as objdump prints it, prefixes dropped."""
+    words = text.split(None, 1)
+    while len(words) == 2 and words[0] in _PREFIXES:
+        words = words[1].split(None, 1)
     if not words:
-        return False
-    return words[0].startswith("v") or bool(_AVX_REGISTER.search(text))
+        return "", ""
+    return words[0], words[1].strip() if len(words) == 2 else ""
+
+
+def is_avx_instruction(mnemonic: str, operands: str) -> bool:
+    return mnemonic.startswith("v") or bool(_AVX_REGISTER.search(operands))
 
 
 def disassemble(path: str) -> list[Function]:
@@ -97,13 +103,11 @@ def disassemble(path: str) -> list[Function]:
         if not instruction or current is None:
             continue
         text = instruction.group(2).split("#")[0].strip()
-        if current.avx_instruction is None and is_avx_instruction(text):
+        mnemonic, operands = split_instruction(text)
+        if current.avx_instruction is None and is_avx_instruction(mnemonic, operands):
             current.avx_instruction = text
-        words = text.split(None, 1)
-        while words and words[0] in _PREFIXES and len(words) > 1:
-            words = words[1].split(None, 1)
-        if len(words) == 2 and (words[0].startswith("call") or words[0].startswith("j")):
-            target = _BRANCH_TARGET.match(words[1].strip())
+        if mnemonic.startswith(("call", "j")) and operands:
+            target = _BRANCH_TARGET.match(operands)
             if target and not target.group(2).endswith("@plt"):
                 current.branch_targets.append(int(target.group(1), 16))
     return functions
@@ -187,7 +191,6 @@ def check_binary(path: str) -> tuple[list[str], int]:
     starts = [f.address for f in by_address]
 
     def function_at(address: int) -> Optional[Function]:
-        import bisect
         index = bisect.bisect_right(starts, address) - 1
         return by_address[index] if index >= 0 else None
 

@@ -54,8 +54,9 @@ def _refuse_cuda_graph_capture() -> None:
     """A step cannot be captured in a CUDA graph: its work tables reach the GPU through
     pinned host buffers that are reused once copied, paging moves pages between steps, and
     CPU params' steps are not GPU work at all. A replay would read memory rewritten since,
-    or silently skip the step, so a capture is refused before anything changes."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    or silently skip the step, so a capture is refused before anything changes. A process
+    that never initialized CUDA captures nothing, and asking would initialize it."""
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "pagedoptim's step cannot be captured in a CUDA graph (torch.cuda.graph, "
             "CUDAGraph.capture_begin): a replay would reuse host buffers and pages that have "
@@ -441,15 +442,15 @@ class PagedOptimizer(torch.optim.Optimizer):
         frees the gradient, so at most one parameter's gradient is alive at a time."""
         if p.grad is None:
             return
-        _refuse_cuda_graph_capture()
-        release_guard.check_backward_not_scaled()
         if id(p) in self._released_this_round:
             raise RuntimeError(
                 "release_grads=True steps each parameter inside backward and frees its "
                 "gradient, so gradients cannot accumulate over several backward calls: call "
                 "optimizer.step() after every backward (it ends the round), or use "
                 "release_grads=False for gradient accumulation")
-        if not self._released_this_round:
+        if not self._released_this_round:  # a backward's first release: what holds for all
+            _refuse_cuda_graph_capture()
+            release_guard.check_backward_not_scaled()
             release_guard.check_not_data_parallel()
             release_guard.install()  # accelerate may have been imported after __init__
             self.state.sync()

@@ -181,7 +181,7 @@ def test_a_step_inside_cuda_graph_capture_is_refused_before_anything_changes(
     model = TinyModel()
     before = [p.detach().clone() for p in model.parameters()]
     opt = OURS["AdamW"](model.parameters(), lr=1e-2, release_grads=release_grads)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="CUDA graph"):
         model_loss(model, batches[0]).backward()
