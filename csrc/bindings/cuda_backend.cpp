@@ -244,7 +244,9 @@ class CudaTableRunner final : public optim::TableRunner {
     auto launch = std::move(pending_prepare_);
     pending_prepare_ = nullptr;
     launch();
+    prepared_ = true;
   }
+  bool counters_advanced() const override { return prepared_; }
 
   void* scratch(int64_t bytes) override {
     at::Tensor buffer = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device_));
@@ -326,6 +328,7 @@ class CudaTableRunner final : public optim::TableRunner {
   cudaStream_t stream_;
   const float* found_inf_;
   const float* grad_scale_;
+  bool prepared_ = false;
   int multiprocessors_ = 0;
   const void* scalars_ = nullptr;
   std::function<void()> pending_prepare_;

@@ -186,15 +186,20 @@ void run_step(optim::PagedState& state, const std::vector<at::Tensor>& params,
     return;
   }
   (void)cuda_step;
-  TORCH_CHECK_VALUE(!found_inf.has_value() && !grad_scale.has_value(),
-                    "found_inf and grad_scale are taken by steps of CUDA state only");
+  const bool simulated = on_simulated_device(state);
+  TORCH_CHECK_VALUE(simulated || (!found_inf.has_value() && !grad_scale.has_value()),
+                    "found_inf and grad_scale are taken by steps of device state only (CUDA, "
+                    "or the simulated device that emulates its kernels)");
   const std::vector<optim::ParamStep> param_steps =
       to_param_steps(params, grads, steps, slots, groups, group_values.size());
-  pybind11::gil_scoped_release no_gil;
-  if (on_simulated_device(state)) {
-    simulated_step(state, param_steps, group_values, table_step_for<Group, TableStep>());
+  if (simulated) {
+    const SimulatedAmp amp{host_scalar(found_inf, "found_inf"),
+                           host_scalar(grad_scale, "grad_scale")};
+    pybind11::gil_scoped_release no_gil;
+    simulated_step(state, param_steps, group_values, table_step_for<Group, TableStep>(), amp);
     return;
   }
+  pybind11::gil_scoped_release no_gil;
   (state.*step)(param_steps, group_values, torch_parallel_for());
 }
 
@@ -355,9 +360,10 @@ void bind_paged_state(pybind11::module_& m) {
            py::arg("device") = "cpu",
            "kinds: per parameter kind, its streams as (name, bytes per group of 32, per_group); "
            "store: None (all pages in memory) or the paging options dict; device: where the "
-           "pages live and the step runs, 'cpu' or 'cuda:N'")
+           "pages live and the step runs, 'cpu', 'cuda:N' or 'simulated' (tests)")
       .def_property_readonly("device",
                              [](PagedState& s) {
+                               if (on_simulated_device(s)) return std::string("simulated");
                                const int device = state_device(s);
                                return device < 0 ? std::string("cpu")
                                                  : "cuda:" + std::to_string(device);

@@ -48,13 +48,22 @@ pybind11::dict simulated_device_usage() {
   return d;
 }
 
-void run_on_simulated_device(optim::PagedState& state,
+const float* host_scalar(const std::optional<at::Tensor>& t, const char* name) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK_VALUE(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->numel() == 1,
+                    name, " must be a one-element float32 cpu tensor on the simulated device, "
+                    "got ", t->scalar_type(), " with ", t->numel(), " elements on ", t->device());
+  return t->data_ptr<float>();
+}
+
+void run_on_simulated_device(optim::PagedState& state, SimulatedAmp amp,
                              const std::function<void(optim::TableRunner&)>& step) {
   auto& store = dynamic_cast<paging::DeviceCacheStore&>(state.store());
   Simulation& sim = simulation();
   store.begin_use(sim.compute);
   try {
-    device::SimulatedTableRunner runner(sim.device, sim.compute);  // waits for the stream
+    // Waits for the stream when destroyed.
+    device::SimulatedTableRunner runner(sim.device, sim.compute, amp.found_inf, amp.grad_scale);
     step(runner);
   } catch (...) {
     store.end_use();

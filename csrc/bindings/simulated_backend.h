@@ -8,6 +8,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 
 #include <torch/extension.h>
 
@@ -26,20 +27,31 @@ bool on_simulated_device(optim::PagedState& state);
 // the leak tests: its compute stream is always one of the streams.
 pybind11::dict simulated_device_usage();
 
+// GradScaler's found_inf / grad_scale for a step on the simulated device: one float each in
+// host memory (the simulated device's memory), or null. The emulated kernels unscale and
+// skip as the CUDA ones do.
+struct SimulatedAmp {
+  const float* found_inf = nullptr;
+  const float* grad_scale = nullptr;
+};
+
+// The float of a one-element float32 CPU tensor `t` (named `name` in errors), or null.
+const float* host_scalar(const std::optional<at::Tensor>& t, const char* name);
+
 // Runs `step` (a table-driver step of PagedState) on the simulated device.
 template <class Params, class Groups, class Step>
 void simulated_step(optim::PagedState& state, const Params& params, const Groups& groups,
-                    Step step);
+                    Step step, SimulatedAmp amp = {});
 
 // Type-erased core of simulated_step: begin_use, a runner on the simulated compute stream,
 // the step, end_use, and a wait for the stream.
-void run_on_simulated_device(optim::PagedState& state,
+void run_on_simulated_device(optim::PagedState& state, SimulatedAmp amp,
                              const std::function<void(optim::TableRunner&)>& step);
 
 template <class Params, class Groups, class Step>
 void simulated_step(optim::PagedState& state, const Params& params, const Groups& groups,
-                    Step step) {
-  run_on_simulated_device(state, [&](optim::TableRunner& runner) {
+                    Step step, SimulatedAmp amp) {
+  run_on_simulated_device(state, amp, [&](optim::TableRunner& runner) {
     (state.*step)(params, groups, runner);
   });
 }

@@ -13,6 +13,7 @@
 #include <barrier>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <thread>
@@ -114,42 +115,25 @@ class HostTableRunner final : public optim::TableRunner {
                            const float* grad_scale = nullptr)
       : warps_(warps), found_inf_(found_inf), grad_scale_(grad_scale) {}
 
+  // The preparations are kept until the first kernel (TableRunner's contract), as the CUDA
+  // runner keeps its launch.
   void prepare_adamw(const std::vector<ScalarJob>& jobs,
                      const std::vector<optim::AdamWGroup>& groups) override {
-    adamw_.resize(jobs.size());
-    scalars_ = adamw_.data();
-    if (skipped()) return;
-    for (size_t i = 0; i < jobs.size(); ++i) {
-      table::prepare_adamw_scalars(jobs[i], groups[size_t(jobs[i].group)], adamw_[i]);
-    }
+    defer(jobs, groups, adamw_, &table::prepare_adamw_scalars);
   }
   void prepare_sgd(const std::vector<ScalarJob>& jobs,
                    const std::vector<optim::SGDGroup>& groups) override {
-    sgd_.resize(jobs.size());
-    scalars_ = sgd_.data();
-    if (skipped()) return;
-    for (size_t i = 0; i < jobs.size(); ++i) {
-      table::prepare_sgd_scalars(jobs[i], groups[size_t(jobs[i].group)], sgd_[i]);
-    }
+    defer(jobs, groups, sgd_, &table::prepare_sgd_scalars);
   }
   void prepare_lion(const std::vector<ScalarJob>& jobs,
                     const std::vector<optim::LionGroup>& groups) override {
-    lion_.resize(jobs.size());
-    scalars_ = lion_.data();
-    if (skipped()) return;
-    for (size_t i = 0; i < jobs.size(); ++i) {
-      table::prepare_lion_scalars(jobs[i], groups[size_t(jobs[i].group)], lion_[i]);
-    }
+    defer(jobs, groups, lion_, &table::prepare_lion_scalars);
   }
-
   void prepare_skewadam(const std::vector<ScalarJob>& jobs,
                         const std::vector<optim::SkewAdamGroup>& groups) override {
-    skewadam_.resize(jobs.size());
-    scalars_ = skewadam_.data();
-    for (size_t i = 0; i < jobs.size(); ++i) {
-      table::prepare_skewadam_scalars(jobs[i], groups[size_t(jobs[i].group)], skewadam_[i]);
-    }
+    defer(jobs, groups, skewadam_, &table::prepare_skewadam_scalars);
   }
+  bool counters_advanced() const override { return prepared_; }
 
   void* scratch(int64_t bytes) override {
     scratch_.push_back(std::make_unique<std::byte[]>(size_t(bytes)));
@@ -159,6 +143,7 @@ class HostTableRunner final : public optim::TableRunner {
     std::memcpy(dst, src, size_t(bytes));
   }
   void run_statistics(const std::vector<FactorMatrix>& matrices) override {
+    flush_prepare();
     table::FactorTable factors;
     factors.matrices = matrices.data();
     factors.num_matrices = int32_t(matrices.size());
@@ -172,6 +157,7 @@ class HostTableRunner final : public optim::TableRunner {
   }
 
   void run(const optim::TableBatch& batch) override {
+    flush_prepare();
     ++batches_;
     for (size_t t = 0; t < batch.variants.size(); ++t) {
       const std::vector<StepRow>& rows = batch.rows[t];
@@ -196,10 +182,34 @@ class HostTableRunner final : public optim::TableRunner {
  private:
   bool skipped() const { return found_inf_ != nullptr && *found_inf_ != 0.0f; }
 
+  // Sizes the scalars now (rows index them) and keeps their computation for flush_prepare.
+  // A step skipped by found_inf leaves them unset and the counters alone, as the kernel does.
+  template <class Group, class Scalars, class Prepare>
+  void defer(const std::vector<ScalarJob>& jobs, const std::vector<Group>& groups,
+             std::vector<Scalars>& scalars, Prepare prepare) {
+    scalars.resize(jobs.size());
+    scalars_ = scalars.data();
+    pending_prepare_ = [this, jobs, groups, &scalars, prepare] {
+      if (skipped()) return;
+      for (size_t i = 0; i < jobs.size(); ++i) {
+        prepare(jobs[i], groups[size_t(jobs[i].group)], scalars[i]);
+      }
+    };
+  }
+  void flush_prepare() {
+    if (!pending_prepare_) return;
+    auto prepare = std::move(pending_prepare_);
+    pending_prepare_ = nullptr;
+    prepared_ = true;
+    prepare();
+  }
+
   int warps_;
   const float* found_inf_;
   const float* grad_scale_;
   const void* scalars_ = nullptr;
+  std::function<void()> pending_prepare_;
+  bool prepared_ = false;
   std::vector<codec::AdamWScalars> adamw_;
   std::vector<codec::SGDScalars> sgd_;
   std::vector<codec::LionScalars> lion_;

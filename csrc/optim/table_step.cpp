@@ -57,7 +57,7 @@ class BatchBuilder {
   std::map<int, size_t> table_of_;
 };
 
-// `advanced`: a resumed step, whose counters already hold this step's count.
+// `advanced`: a resumed step whose first attempt advanced the counters already.
 std::vector<kernels::ScalarJob> scalar_jobs(const std::vector<ParamStep>& params,
                                             bool advanced) {
   std::vector<kernels::ScalarJob> jobs;
@@ -104,6 +104,10 @@ StepRow param_row(const ParamStep& param, size_t index, const paging::Segment& s
 }
 
 }  // namespace
+
+void PagedState::note_counters(const TableRunner& runner) {
+  journal_->counters_advanced = journal_->counters_advanced || runner.counters_advanced();
+}
 
 void PagedState::run_tables(const std::vector<ParamStep>& params, TableRunner& runner,
                             const RowFn& make_row,
@@ -159,6 +163,7 @@ void PagedState::run_tables(const std::vector<ParamStep>& params, TableRunner& r
     try {
       if (!builder.empty()) runner.run(builder.finish());
     } catch (...) {
+      note_counters(runner);
       journal_->resumable = false;
       // The runner's error is the one to report: an unpin here may throw a store's pending
       // error (a write-back that failed earlier, counted in paging_stats()["write_errors"];
@@ -171,6 +176,7 @@ void PagedState::run_tables(const std::vector<ParamStep>& params, TableRunner& r
       }
       throw;
     }
+    note_counters(runner);
     journal_->unpaged_done = true;
     journal_->pages_done = batch_end;
     unpin_written(plan, batch_begin, batch_end);
@@ -182,8 +188,8 @@ void PagedState::step_adamw(const std::vector<ParamStep>& params,
                             const std::vector<AdamWGroup>& groups, TableRunner& runner) {
   check_adamw_params(params, groups);
   if (params.empty()) return;
-  const bool resuming = begin_step(StepCall::kTableAdamW, params);
-  runner.prepare_adamw(scalar_jobs(params, resuming), groups);
+  begin_step(StepCall::kTableAdamW, params);
+  runner.prepare_adamw(scalar_jobs(params, journal_->counters_advanced), groups);
   run_tables(params, runner,
              [&](size_t p, const paging::Segment& segment, std::byte* page, StepVariant& variant,
                  StepRow& row) {
@@ -210,8 +216,8 @@ void PagedState::step_sgd(const std::vector<ParamStep>& params,
                           const std::vector<SGDGroup>& groups, TableRunner& runner) {
   check_sgd_params(params, groups);
   if (params.empty()) return;
-  const bool resuming = begin_step(StepCall::kTableSGD, params);
-  runner.prepare_sgd(scalar_jobs(params, resuming), groups);
+  begin_step(StepCall::kTableSGD, params);
+  runner.prepare_sgd(scalar_jobs(params, journal_->counters_advanced), groups);
   // Parameters without state (momentum 0 and no master residual) have no pages: one row
   // each, over the whole parameter.
   std::vector<std::pair<StepVariant, StepRow>> stateless;
@@ -248,8 +254,8 @@ void PagedState::step_lion(const std::vector<ParamStep>& params,
                            const std::vector<LionGroup>& groups, TableRunner& runner) {
   for (const ParamStep& param : params) check_param(param, groups.size());
   if (params.empty()) return;
-  const bool resuming = begin_step(StepCall::kTableLion, params);
-  runner.prepare_lion(scalar_jobs(params, resuming), groups);
+  begin_step(StepCall::kTableLion, params);
+  runner.prepare_lion(scalar_jobs(params, journal_->counters_advanced), groups);
   run_tables(params, runner,
              [&](size_t p, const paging::Segment& segment, std::byte* page, StepVariant& variant,
                  StepRow& row) {
@@ -296,8 +302,8 @@ void PagedState::step_skewadam(const std::vector<SkewAdamParamStep>& params,
   std::vector<ParamStep> steps;
   steps.reserve(params.size());
   for (const SkewAdamParamStep& p : params) steps.push_back(p.step);
-  const bool resuming = begin_step(StepCall::kTableSkewAdam, steps);
-  runner.prepare_skewadam(scalar_jobs(steps, resuming), groups);
+  begin_step(StepCall::kTableSkewAdam, steps);
+  runner.prepare_skewadam(scalar_jobs(steps, journal_->counters_advanced), groups);
 
   // Phase 1: each factored parameter's running means, copied out of their pages into
   // scratch next to its coefficients, through the statistics kernels. The scratch lives
@@ -344,7 +350,15 @@ void PagedState::step_skewadam(const std::vector<SkewAdamParamStep>& params,
       matrices.push_back(m);
     }
   }
-  if (!matrices.empty()) runner.run_statistics(matrices);
+  if (!matrices.empty()) {
+    try {
+      runner.run_statistics(matrices);
+    } catch (...) {
+      note_counters(runner);
+      throw;
+    }
+    note_counters(runner);
+  }
 
   // Phase 2: the elementwise tables. Factored parameters without per-element state (the
   // experts tier in fp32) have no pages: one row each over the whole parameter.

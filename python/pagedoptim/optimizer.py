@@ -212,16 +212,23 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
-        # CUDA state: GradScaler hands over its scale and found_inf as device tensors
+        # Device state: GradScaler hands over its scale and found_inf as device tensors
         # (optimizer.grad_scale / optimizer.found_inf) and the kernels unscale and skip on
         # the device, as torch's fused optimizers do: no host sync. With release_grads
         # GradScaler must not try to unscale gradients that are already gone; claiming
         # support makes it hand them over too, and step() says so.
-        return self._options.release_grads or self._on_cuda()
+        return self._options.release_grads or self._steps_on_a_device()
 
-    def _on_cuda(self) -> bool:
+    def _steps_on_a_device(self) -> bool:
+        """Whether the table kernels step this state: on a CUDA device, or on the simulated
+        device (tests) that emulates them, with GradScaler's tensors as the CUDA ones take."""
+        if self._engine is not None:
+            return self._engine.device != "cpu"
         device = self._engine_device()
-        return device is not None and device.type == "cuda"
+        if device is None:
+            return False
+        store = paging.store_options(self._options, device)
+        return paging.engine_device(store, device) != "cpu"
 
     def _engine_device(self) -> Optional[torch.device]:
         """Where the state lives: fixed once the engine exists; before that, where the params

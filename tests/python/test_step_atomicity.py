@@ -225,6 +225,47 @@ def test_a_read_failure_under_the_simulated_device_cache_is_finished_by_a_retry(
     assert raised >= 2
 
 
+def step_counters(opt, params):
+    """Each param's step counter (SGD keeps its own out of the state_dict), read without
+    touching a page."""
+    states = [opt.state[p] for p in params]
+    return [float(s["step"]) if s.hidden_step() is None else s.hidden_step() for s in states]
+
+
+@pytest.mark.parametrize("name", list(SIMULATED))
+def test_a_step_failing_before_its_first_kernel_advances_its_counters_once_on_retry(name, tmp_path):
+    """On a device the step counters advance with the step's first kernel: a step whose first
+    batch cannot be pinned has changed nothing, and its retry must advance them (a retry that
+    took them as advanced left them one behind, and made a first AdamW step NaN; the C++
+    journal tests show that first step)."""
+    ref = reference(name)
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    with paging.simulated_device():
+        params, stepped = before_failing_step(name, tmp_path / "first")
+        # A second optimizer over the same params, loaded from the first: loading writes
+        # every page, so the first pages of the next plan are back in the page file.
+        opt = paged(name, params, tmp_path / "second")
+        with paging.store_overrides(faults=[]):  # loading builds the state anew
+            opt.load_state_dict(stepped.state_dict())
+        counters = step_counters(opt, params)
+        paging.set_fault_rules(opt, [{"kind": "eio", "ops": "read"}])
+        with pytest.raises(po.PageIOError):
+            opt.step()
+        assert opt.interrupted_step["pages_done"] == 0
+        # SkewAdam's statistics kernels run before the first batch is pinned: its counters
+        # advanced with them, and the retry must leave them there.
+        ran_a_kernel = name.startswith("skewadam")
+        assert step_counters(opt, params) == [c + ran_a_kernel for c in counters]
+        paging.set_fault_rules(opt, [])
+        opt.step()
+        assert_equal(snapshot(params, opt), ref[FAILING_STEP])
+        for index in range(FAILING_STEP + 1, STEPS):
+            set_grads(params, index)
+            opt.step()
+        assert_equal(snapshot(params, opt), ref[STEPS - 1])
+
+
 def sigint_before(batch):
     def arm(opt):
         paging.sigint_before_batch(opt, batch)

@@ -200,6 +200,11 @@ class PagedState {
     // SkewAdam on the CPU: phase 1's new running means and coefficients per parameter
     // (empty until it ran), so a resumed step reuses them.
     std::vector<std::vector<float>> factors, coefficients;
+    // Table steps: the runner's scalar preparation has run (it goes with the first kernel),
+    // so the step counters hold this step's count. A step that failed before any kernel (an
+    // upload out of memory, a page fault pinning the first batch) left them alone, and its
+    // retry advances them; one that failed later must not advance them twice.
+    bool counters_advanced = false;
     bool resumable = true;
     bool complete = false;
   };
@@ -227,6 +232,9 @@ class PagedState {
   // unchanged, and rethrows, so the store never sees a page marked written that was not.
   void pin_batch(const std::vector<int32_t>& plan, size_t begin, size_t end,
                  std::vector<std::byte*>& pages);
+  // Table steps: records in the journal whether `runner` has advanced the counters; after
+  // each of its kernel calls, whether it returned or threw.
+  void note_counters(const TableRunner& runner);
   // Row builder of the table step: the variant and row of segment `segment` of parameter
   // `param`, whose page is resident at `page`.
   using RowFn = std::function<void(size_t param, const paging::Segment& segment,

@@ -28,7 +28,10 @@ class TableRunner {
 
   // Once per step, before any batch: the per-parameter scalars (jobs[i] for the call's
   // parameter i, whose step counter lives where the runner's kernels run). Row i's
-  // StepRow::scalars indexes them.
+  // StepRow::scalars indexes them. The preparation advances the step counters, so a runner
+  // runs it with the step's first kernel (run_statistics or run), never here: a step that
+  // fails before that (an out-of-memory in an upload, a page fault pinning the first batch)
+  // leaves every counter as it was.
   virtual void prepare_adamw(const std::vector<kernels::ScalarJob>& jobs,
                              const std::vector<AdamWGroup>& groups) = 0;
   virtual void prepare_sgd(const std::vector<kernels::ScalarJob>& jobs,
@@ -52,6 +55,11 @@ class TableRunner {
   // a runner that only enqueues work must make the store wait for it before the pages
   // move (the store and the runner share the stream).
   virtual void run(const TableBatch& batch) = 0;
+
+  // Whether the scalar preparation has run or is queued ahead of a kernel: the step
+  // counters then hold this step's count, and a retry of the step must not advance them
+  // again (PagedState's journal keeps this across the retry).
+  virtual bool counters_advanced() const = 0;
 };
 
 }  // namespace pagedoptim::optim

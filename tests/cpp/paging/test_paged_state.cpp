@@ -553,6 +553,7 @@ class FailingRunner final : public TableRunner {
     if (runs_++ == fail_at_) throw std::runtime_error("injected launch failure");
     inner_.run(batch);
   }
+  bool counters_advanced() const override { return inner_.counters_advanced(); }
 
  private:
   kernels::emulation::HostTableRunner inner_;
@@ -586,6 +587,42 @@ TEST(PagedStateJournal, ATableStepFailingAtAnyPinIsFinishedExactlyByResuming) {
       }
     }
     run.expect_same(reference);
+  }
+}
+
+// The CUDA runner launches the scalar preparation (which advances the step counters) with
+// the first kernel, and so does the host emulation: a step that fails pinning its first
+// batch has changed nothing, and its retry advances the counters once. On a first step a
+// retry that took them as advanced would divide by a bias correction of 0: NaN params.
+TEST(PagedStateJournal, ATableStepFailingBeforeItsFirstKernelIsRetriedWithItsCountersAdvancedOnce) {
+  for (int failing_step = 0; failing_step < 2; ++failing_step) {
+    SCOPED_TRACE("failing step " + std::to_string(failing_step));
+    JournalRun reference;
+    JournalRun run;
+    for (int step = 0; step < 3; ++step) {
+      FailingRunner reference_runner;
+      reference.set_grads(step);
+      reference.step(&reference_runner);
+      run.set_grads(step);
+      FailingRunner runner;
+      if (step != failing_step) {
+        run.step(&runner);
+        continue;
+      }
+      const std::vector<float> counters = run.steps;
+      run.store->fail_at(0);  // the first pin of the step's plan
+      EXPECT_THROW(run.step(&runner), std::runtime_error);
+      EXPECT_FALSE(runner.counters_advanced());
+      EXPECT_EQ(run.steps, counters);
+      EXPECT_EQ(run.state->interrupted_step()->pages_done, 0);
+      run.store->fail_at(-1);
+      run.state->resume_next_step();
+      FailingRunner retry;
+      run.step(&retry);
+      EXPECT_TRUE(retry.counters_advanced());
+    }
+    run.expect_same(reference);
+    for (float p : run.params[0]) ASSERT_TRUE(std::isfinite(p));
   }
 }
 
