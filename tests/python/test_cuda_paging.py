@@ -17,8 +17,10 @@ What is held here:
 
 The same orchestration runs in CI on the simulated device (tests/cpp/paging/
 test_device_cache_store.cpp, and the kernel bodies in tests/cpp/kernels/
-test_table_emulation.cpp); this module is the GPU's own check. Skipped without a CUDA device
-and a pagedoptim built with its CUDA kernels.
+test_table_emulation.cpp). Without a CUDA device (or a pagedoptim built with its CUDA
+kernels) this module runs there too (tests/python/gpu_target.py): params are CPU tensors,
+the resident run is the CPU path and the paged one the simulated device's cache; the tests
+of CUDA memory itself are skipped with the reason.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from torch import nn
 
 import pagedoptim as po
-from conftest import cuda_skip_reason
+from gpu_target import TARGET, needs_cuda
 from pagedoptim import paging
 
 # What a step may allocate on the device beyond the page cache: its work tables, scalars and
@@ -37,9 +39,13 @@ STEP_OVERHEAD_BYTES = 8 << 20
 PAGE = 64 << 10
 
 
-SKIP_REASON = cuda_skip_reason()
-pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
-DEVICE = torch.device("cuda", 0)
+DEVICE = TARGET.device
+
+
+@pytest.fixture(autouse=True)
+def _on_the_target():
+    with TARGET.active():
+        yield
 
 # Shapes that fill many pages of PAGE bytes, with small params sharing pages.
 SHAPES = [(512, 384), (1000,), (33,), (256, 257), (7, 13), (4096,), (300, 200)]
@@ -70,7 +76,7 @@ def train(kind: str, dtype: torch.dtype, steps: int = 4, **kw) -> tuple[list, po
         for i, (p, g) in enumerate(zip(params, grads_for(params, s))):
             p.grad = None if s == 1 and i == 2 else g  # step 1: one param has no grad
         opt.step()
-    torch.cuda.synchronize()
+    TARGET.synchronize()
     return params, opt
 
 
@@ -106,7 +112,7 @@ def test_paged_state_is_bit_identical_to_resident_state(fmt, offload, policy, bu
                   prefetch=2, **nvme, **kw)
     assert_identical(resident, paged)
     stats = paged[1].paging_stats()
-    assert stats["device"] == "cuda:0" and stats["offload"] == offload
+    assert stats["device"] == TARGET.engine_device and stats["offload"] == offload
     assert stats["peak_resident_pages"] <= BUDGETS[budget] // PAGE
     if budget != "most":
         assert stats["writes"] > 0 and stats["links"]["device_to_host"]["gb_per_s"] > 0
@@ -129,7 +135,7 @@ def test_gradient_release_pages_in_the_learned_order_and_stays_identical():
             loss = sum((p * g).sum() for p, g in zip(params, grads_for(params, s)))
             loss.float().backward()
             opt.step()
-        torch.cuda.synchronize()
+        TARGET.synchronize()
         return params, opt
 
     resident = run()
@@ -140,6 +146,7 @@ def test_gradient_release_pages_in_the_learned_order_and_stays_identical():
     assert stats["prefetch_hits"] > 0
 
 
+@needs_cuda("CUDA memory statistics")
 def test_device_memory_of_a_step_is_params_grads_and_the_cache():
     params = make_params(torch.bfloat16)
     cache = 8 * PAGE
@@ -177,6 +184,7 @@ def test_a_cache_smaller_than_a_page_fails_at_construction():
         po.AdamW([p], offload="host", cache_bytes=PAGE - 1, page_bytes=PAGE)
 
 
+@needs_cuda("the free memory of a CUDA device")
 def test_a_cache_larger_than_free_device_memory_fails_at_construction():
     p = nn.Parameter(torch.randn(64, device=DEVICE))
     free, _ = torch.cuda.mem_get_info(DEVICE)
@@ -213,7 +221,7 @@ def test_a_failed_write_back_under_a_gpu_cache_loses_no_state(tmp_path):
     for p, g in zip(params, grads_for(params, 3)):
         p.grad = g
     opt.step()
-    torch.cuda.synchronize()
+    TARGET.synchronize()
     resident = make_params(torch.bfloat16)
     ref = po.AdamW(resident, lr=1e-2, page_bytes=PAGE)
     for s in range(4):

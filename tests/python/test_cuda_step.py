@@ -21,9 +21,13 @@ What is held here (docs/gpu.md says how to run it and what each part shows):
 * SkewAdam: its statistics and elementwise kernels bit-identical to the CPU, every tier.
 * Errors: CPU grads, mixed devices, out-of-memory. (Paging to host/NVMe: test_cuda_paging.py.)
 
-Every test needs a CUDA device and a pagedoptim built with its CUDA kernels; elsewhere the whole
-module is skipped with the reason. Tests whose names contain "large" need about 20 GB of free
-device memory and a few seconds each: `-k "not large"` leaves them out.
+Where the machine has no CUDA device (or pagedoptim was built without its CUDA kernels), the
+module runs on the simulated device (tests/python/gpu_target.py): the "CUDA copy" is then a CPU
+copy whose state lives on the simulated device and is stepped by the host emulation of the table
+kernels, compared bit for bit with the CPU kernels as on the GPU. The tests that need real CUDA
+memory, streams, timing or the profiler are skipped there with the reason. Tests whose names
+contain "large" need about 20 GB of free device memory and a few seconds each: `-k "not large"`
+leaves them out.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import torch
 from torch import nn
 
 import pagedoptim as po
-from conftest import cuda_skip_reason
+from gpu_target import TARGET, needs_cuda
 from pagedoptim._native import native
 from pagedoptim import interrupted_step
 from pagedoptim.optimizer import _StepBatch
@@ -50,11 +54,15 @@ from pagedoptim.optimizer import _StepBatch
 GROUP = 32  # elements per quantization group (one fp16 scale each)
 
 
-SKIP_REASON = cuda_skip_reason()
-pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
+DEVICE = TARGET.device
+# What an optimizer over DEVICE params adds to its arguments ({} on the GPU).
+ON_DEVICE = TARGET.state_kwargs
 
-# Module-level so that a dry run can point the device-independent helpers elsewhere.
-DEVICE = torch.device("cuda", 0)
+
+@pytest.fixture(autouse=True)
+def _on_the_target():
+    with TARGET.active():
+        yield
 
 
 # -- gradients and params ------------------------------------------------------------------
@@ -167,8 +175,7 @@ def state_on_cpu(opt) -> dict[int, dict[str, torch.Tensor]]:
 def assert_optimizers_identical(where, ref_params, ref_opt, params, opt, bad_grads=None):
     """Params and state_dict()['state'] of (params, opt) bit-identical to the reference's,
     with NaN-ness alone compared in groups that saw a non-finite gradient or value."""
-    if any(p.is_cuda for p in params):
-        torch.cuda.synchronize()
+    TARGET.synchronize()
     ref_state = state_on_cpu(ref_opt)
     state = state_on_cpu(opt)
     assert state.keys() == ref_state.keys(), (
@@ -205,7 +212,8 @@ class Lockstep:
         self.cuda = [nn.Parameter(v.to(device or DEVICE, copy=True)) for v in values]
         overrides = overrides or {}
         self.cpu_opt = factory(split_groups(self.cpu, split, dict(overrides)), **kwargs)
-        self.cuda_opt = factory(split_groups(self.cuda, split, dict(overrides)), **kwargs)
+        self.cuda_opt = factory(split_groups(self.cuda, split, dict(overrides)), **kwargs,
+                                **ON_DEVICE)
         self.bad_grads = [torch.zeros((p.numel() + GROUP - 1) // GROUP, dtype=torch.bool)
                           for p in self.cpu]
 
@@ -405,6 +413,7 @@ def test_many_small_params_sharing_pages(state_bits, master_bits, page_bytes):
     run.assert_identical(f"LoRA-like mix state_bits={state_bits} master_bits={master_bits}")
 
 
+@needs_cuda("the CUDA profiler")
 def test_one_launch_per_kernel_variant_per_step():
     """448 fp32 adapters and two bf16 params (two kernel variants): one scalar-preparation
     launch and one table launch per variant, not one launch per param or page."""
@@ -440,6 +449,7 @@ def test_one_launch_per_kernel_variant_per_step():
 # -- where state lives -----------------------------------------------------------------------
 
 
+@needs_cuda("torch's CUDA caching allocator")
 def test_state_lives_in_device_memory_from_torchs_allocator_and_goes_back_with_it():
     numel = (1 << 22) + 5
     p = nn.Parameter(torch.randn(numel, device=DEVICE, dtype=torch.bfloat16))
@@ -469,6 +479,7 @@ def test_state_lives_in_device_memory_from_torchs_allocator_and_goes_back_with_i
     assert left < pages // 16, f"{left} bytes of the optimizer's {pages} stayed allocated"
 
 
+@needs_cuda("CUDA streams and torch.cuda._sleep")
 def test_step_runs_on_the_current_stream():
     """The kernels run on the caller's current stream: a gradient written on a side stream
     behind a busy kernel is the one the step reads (a kernel on another stream would read the
@@ -498,6 +509,7 @@ def test_step_runs_on_the_current_stream():
     run.assert_identical("steps on a side stream, then on the default stream")
 
 
+@needs_cuda("two CUDA devices")
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_params_on_a_second_device_are_stepped_there():
     device = torch.device("cuda", 1)
@@ -535,7 +547,7 @@ def test_state_dict_moves_between_cpu_and_cuda(name, fmt):
     # Deep copies, as a checkpoint gives: a live optimizer's state_dict shares its tensors.
     opt_cpu_from_cuda.load_state_dict(copy.deepcopy(run.cuda_opt.state_dict()))
     cuda_from_cpu = [nn.Parameter(p.detach().clone().to(DEVICE)) for p in run.cpu]
-    opt_cuda_from_cpu = factory(cuda_from_cpu, **kwargs)
+    opt_cuda_from_cpu = factory(cuda_from_cpu, **kwargs, **ON_DEVICE)
     opt_cuda_from_cpu.load_state_dict(copy.deepcopy(run.cpu_opt.state_dict()))
     for q in cuda_from_cpu:
         if not opt_cuda_from_cpu._step_in_state:  # SGD keeps no step, as torch.optim.SGD
@@ -639,7 +651,7 @@ def test_grad_scaler_skips_a_step_with_an_inf_and_training_goes_on(name, dtype, 
 
     def fresh():
         params = [nn.Parameter(v.to(DEVICE, copy=True)) for v in values]
-        return params, factory(params, **kwargs), _lazy_scaler(2.0 ** 16)
+        return params, factory(params, **kwargs, **ON_DEVICE), _lazy_scaler(2.0 ** 16)
 
     def scaled_step(params, opt, scaler, unscaled, poison=False):
         scale = scaler.get_scale()
@@ -658,7 +670,7 @@ def test_grad_scaler_skips_a_step_with_an_inf_and_training_goes_on(name, dtype, 
     before = [p.detach().clone() for p in params_a]
     state_before = state_on_cpu(opt_a)
     scaled_step(params_a, opt_a, scaler_a, grads(99), poison=True)
-    torch.cuda.synchronize()
+    TARGET.synchronize()
     assert scaler_a.get_scale() == 2.0 ** 15, "GradScaler did not see the inf"
     for i, (p, q) in enumerate(zip(before, params_a)):
         assert_same(f"param {i} after the skipped step", p, q)
@@ -738,6 +750,7 @@ def _require_quiet_torch_baseline(use_scaler: bool) -> None:
         pytest.skip(reason)
 
 
+@needs_cuda("CUDA streams and torch's sync debug mode")
 @pytest.mark.parametrize("use_scaler", [False, True], ids=["plain", "grad-scaler"])
 @pytest.mark.parametrize("name", ["adamw", "sgd-nesterov", "lion"])
 def test_step_does_not_synchronize_the_host(name, use_scaler):
@@ -777,6 +790,7 @@ def test_step_does_not_synchronize_the_host(name, use_scaler):
         scaler.update()
 
 
+@needs_cuda("CUDA streams and torch's sync debug mode")
 def test_first_step_does_not_synchronize_the_host():
     """The step that creates the state (pages, step counters) must not wait either: device
     memory comes from the caching allocator on the stream, step counters are made on the
@@ -801,6 +815,7 @@ def test_first_step_does_not_synchronize_the_host():
     assert not waits_for_the_device(opt.step, seconds=0.3), "the first step waited for the device"
 
 
+@needs_cuda("CUDA kernel launches")
 def test_debug_mode_synchronizes_after_every_launch():
     """PAGEDOPTIM_CUDA_DEBUG_SYNC=1 (read once per process, hence a subprocess) makes the step
     wait for its kernels, so faults surface at the launch that caused them."""
@@ -857,7 +872,7 @@ def test_release_grads_matches_a_plain_step(name, fmt):
 
     def train(release):
         model = copy.deepcopy(template).to(device=DEVICE, dtype=dtype)
-        opt = factory(model.parameters(), release_grads=release, **kwargs)
+        opt = factory(model.parameters(), release_grads=release, **kwargs, **ON_DEVICE)
         for x, y in batches:
             out = model(x.to(DEVICE, dtype))
             loss = (out.float() - y.to(DEVICE)).pow(2).mean()
@@ -877,6 +892,7 @@ def test_release_grads_matches_a_plain_step(name, fmt):
 # -- errors ----------------------------------------------------------------------------------
 
 
+@needs_cuda("CUDA params (a CPU grad is right for a CPU param)")
 def test_cpu_grad_for_a_cuda_param_names_the_param():
     params = [nn.Parameter(torch.randn(8, device=DEVICE)) for _ in range(2)]
     opt = po.AdamW(params, lr=1e-3)
@@ -904,6 +920,7 @@ def test_cpu_grad_for_a_cuda_param_names_the_param():
         opt._run(batch, interrupted_step.StepFingerprint.of(pending, batch.hyperparameters))
 
 
+@needs_cuda("a second device besides the CPU")
 def test_params_on_two_devices_are_refused():
     with pytest.raises(ValueError, match=r"params\[1\].*one optimizer per device"):
         po.AdamW([nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(4, device=DEVICE))])
@@ -919,7 +936,7 @@ def test_vector_and_scalar_bodies_give_the_same_bits(name):
     runs = []
     for vector in (True, False):
         params = [nn.Parameter(v.to(DEVICE, copy=True)) for v in values]
-        opt = factory(split_groups(params, MATRIX_SPLIT, dict(overrides)), **kwargs)
+        opt = factory(split_groups(params, MATRIX_SPLIT, dict(overrides)), **kwargs, **ON_DEVICE)
         opt._ensure_engine().set_vector_loads(vector)
         grads = GradSource(MATRIX_SHAPES)
         for t in range(3):
@@ -930,6 +947,7 @@ def test_vector_and_scalar_bodies_give_the_same_bits(name):
     assert_optimizers_identical(f"{name} vector vs scalar", *runs[1], *runs[0])
 
 
+@needs_cuda("a CUDA device to move the model to")
 def test_model_moved_to_cuda_after_the_optimizer_was_built():
     """`opt = po.AdamW(model.parameters()); model.cuda()` works as with torch: the state is
     created where the params are at the first step."""
@@ -976,7 +994,8 @@ def test_skewadam_cuda_step_is_bit_identical_to_the_cpu_step(fmt):
 
     kwargs = dict(lr=1e-2, weight_decay=0.1, state_bits=state_bits, master_bits=master_bits,
                   page_bytes=16 << 10)
-    cpu_opt, cuda_opt = po.SkewAdam(groups(cpu), **kwargs), po.SkewAdam(groups(cuda), **kwargs)
+    cpu_opt = po.SkewAdam(groups(cpu), **kwargs)
+    cuda_opt = po.SkewAdam(groups(cuda), **kwargs, **ON_DEVICE)
     grads = GradSource(shapes)
     for t in range(3):
         for c, g_param, g in zip(cpu, cuda, grads(t)):
@@ -988,7 +1007,7 @@ def test_skewadam_cuda_step_is_bit_identical_to_the_cpu_step(fmt):
     # Gradients are finite, so every bit must agree; the factor states (row and column
     # means) have their own shapes, hence the direct comparison instead of the group-aware
     # assert_optimizers_identical.
-    torch.cuda.synchronize()
+    TARGET.synchronize()
     where = f"skewadam {_format_id(fmt)}"
     for index, (c, g) in enumerate(zip(cpu, cuda)):
         assert_same(f"{where}: param {index} {tuple(c.shape)}", c, g)
@@ -1029,6 +1048,7 @@ def _oom_setup():
     return p, po.AdamW([p], **kwargs), ref, po.AdamW([ref], **kwargs), grad
 
 
+@needs_cuda("torch's CUDA caching allocator")
 def test_out_of_memory_while_allocating_pages_leaves_the_optimizer_usable():
     p, opt, ref, ref_opt, grad = _oom_setup()
     p.grad = grad.clone()
@@ -1043,6 +1063,7 @@ def test_out_of_memory_while_allocating_pages_leaves_the_optimizer_usable():
     assert_optimizers_identical("after an out-of-memory error", [ref], ref_opt, [p], opt)
 
 
+@needs_cuda("torch's CUDA caching allocator")
 def test_out_of_memory_leaves_no_orphaned_pages():
     """A registration that failed for memory leaves nothing behind: after the retry the state
     holds the param once (not once plus the pages of the failed attempt)."""
@@ -1072,6 +1093,7 @@ def _byte_corpus(words=40_000) -> torch.Tensor:
     return torch.tensor(list(text.encode()), dtype=torch.long)
 
 
+@needs_cuda("CUDA memory statistics")
 def test_tiny_llama_trains_in_less_memory_and_tracks_torch(record_property):
     """A Llama-like model (13M params, random weights, byte vocabulary) trained 50 steps.
     Peak device memory: po.AdamW below torch.optim.AdamW on the same model, fp32 or bf16; and
@@ -1192,6 +1214,7 @@ def check_slices_after_one_step(numel: int, span: int, middle: int, device: torc
             assert_same(f"{where}: state '{key}'", value.reshape(-1), part)
 
 
+@needs_cuda("about 20 GB of device memory")
 def test_large_param_above_2_31_elements():
     """One bf16 param of 2**31 + 1000 elements (8-bit moments, int8 residual) stepped once on
     the device; its first million elements, the million around element 2**31 and its last
@@ -1206,6 +1229,7 @@ def test_large_param_above_2_31_elements():
     check_slices_after_one_step(numel, span=1 << 20, middle=1 << 31, device=DEVICE)
 
 
+@needs_cuda("CUDA graphs")
 def test_a_step_captured_in_a_cuda_graph_is_refused():
     # The work tables reach the GPU through pinned buffers reused after each copy: a replay
     # would read what later steps wrote there. Refused before anything is enqueued.
@@ -1223,6 +1247,7 @@ def test_a_step_captured_in_a_cuda_graph_is_refused():
     assert torch.equal(p.detach(), before)
 
 
+@needs_cuda("CUDA tensors (the CPU case is in test_bad_state_dicts.py)")
 def test_a_hostile_sparse_cuda_tensor_in_state_is_refused_by_its_indices():
     # The indices are on the GPU: the check compares them with sizes on the same device.
     import warnings
