@@ -38,8 +38,13 @@ exits 0 whether or not they are met (1 only when a workload failed to run):
     python benchmarks/gpu_step.py               # full run, well under a minute on an H200
     python benchmarks/gpu_step.py --quick       # smoke run: 16M params, 16 adapters, tiny model
     python benchmarks/gpu_step.py --plan        # the workloads and byte counts; needs no GPU
+    python benchmarks/gpu_step.py --quick --device cpu --params 1M   # the harness on the CPU
 
-Without a CUDA device it prints {"skipped": "no CUDA device"} and exits 0.
+Without a CUDA device (and without --device cpu) it prints {"skipped": "no CUDA device"} and
+exits 0. --device cpu runs every workload's code on the CPU (host clock instead of CUDA events;
+the memory workload, which needs CUDA's allocator statistics, is reported skipped), so that the
+first GPU run does not fail on a typo (tests/python/test_demo_and_bench.py); its numbers say
+nothing about a GPU, and each line carries "device": "cpu".
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ from step_throughput import LORA_GROUPS, LORA_SHAPES
 from utils import emit, significant
 
 GROUP = 32
-SIZES = {"16M": 16 << 20, "64M": 64 << 20, "256M": 256 << 20, "1G": 1 << 30}
+SIZES = {"1M": 1 << 20, "16M": 16 << 20, "64M": 64 << 20, "256M": 256 << 20, "1G": 1 << 30}
 HYPERPARAMETERS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 PROBE = "copy_probe"
 TARGETS = {"copy_fraction": 0.70, "ratio_vs_torch_fused": 2.0, "lora_ratio_vs_torch_fused": 1.5}
@@ -135,6 +140,37 @@ def lora_shapes(groups: int) -> list[tuple[int, int]]:
 # -- timing ----------------------------------------------------------------------------------
 
 
+class HostEvent:
+    """torch.cuda.Event's timing calls on the host clock, for the CPU harness run, where a call
+    has done its work when it returns."""
+
+    def __init__(self) -> None:
+        self.at = 0.0
+
+    def record(self) -> None:
+        self.at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: "HostEvent") -> float:
+        return (end.at - self.at) * 1e3  # milliseconds, as CUDA events give them
+
+
+def _event(device: torch.device) -> Any:
+    return torch.cuda.Event(enable_timing=True) if device.type == "cuda" else HostEvent()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _empty_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 @dataclass(frozen=True)
 class CudaTiming:
     latency_s: tuple[float, ...]    # one call on an idle stream, events around it
@@ -147,14 +183,15 @@ class CudaTiming:
 
 
 def time_cuda_interleaved(candidates: Mapping[str, Callable[[], Any]], *, warmup: int,
-                          repeats: int, block: int) -> dict[str, CudaTiming]:
+                          repeats: int, block: int,
+                          device: torch.device = torch.device("cuda")) -> dict[str, CudaTiming]:
     """Times each callable `repeats` times, candidates taking turns in rotating order (so that
     clock and thermal drift reach all of them alike), after `warmup` untimed calls each."""
     names = list(candidates)
     for _ in range(warmup):
         for name in names:
             candidates[name]()
-    torch.cuda.synchronize()
+    _synchronize(device)
     latency: dict[str, list[float]] = {name: [] for name in names}
     host: dict[str, list[float]] = {name: [] for name in names}
     pipelined: dict[str, list[float]] = {name: [] for name in names}
@@ -162,8 +199,8 @@ def time_cuda_interleaved(candidates: Mapping[str, Callable[[], Any]], *, warmup
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
             call = candidates[name]
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
+            start, end = _event(device), _event(device)
+            _synchronize(device)
             begin = time.perf_counter()
             start.record()
             call()
@@ -222,10 +259,10 @@ def run_workload(label: str, shapes: Sequence[tuple[int, ...]], candidates: list
     calls: dict[str, Callable[[], Any]] = {name: opt.step for name, opt in optimizers.items()}
     calls[PROBE] = probe
     timings = time_cuda_interleaved(calls, warmup=args.warmup, repeats=args.repeats,
-                                    block=args.block)
+                                    block=args.block, device=device)
     del optimizers, calls
     gc.collect()
-    torch.cuda.empty_cache()
+    _empty_cache(device)
     probe_timing = timings.pop(PROBE)
     copy_gbps = probe.gbps(probe_timing.median)
     num_params = sum(torch.Size(shape).numel() for shape in shapes)
@@ -237,6 +274,7 @@ def run_workload(label: str, shapes: Sequence[tuple[int, ...]], candidates: list
         achieved_gbps = params_per_s * candidate.bytes_per_param / 1e9
         record = {
             "benchmark": "gpu_step_throughput",
+            "device": device.type,
             "workload": label,
             "optimizer": candidate.name,
             "params": num_params,
@@ -294,7 +332,12 @@ def llama_like(quick: bool):
     return f"mlp-w{width}-d{depth}", model, loss_of
 
 
-def measure_memory(device: torch.device, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+def measure_memory(device: torch.device, args: argparse.Namespace
+                   ) -> dict[str, dict[str, Any]] | None:
+    if device.type != "cuda":
+        emit({"benchmark": "gpu_memory", "device": device.type,
+              "skipped": "needs torch.cuda's allocator statistics"})
+        return None
     label, template, loss_of = llama_like(args.quick)
     num_params = sum(p.numel() for p in template.parameters())
     runs = [
@@ -391,7 +434,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="comma-separated workloads to run (large, lora, memory)")
     parser.add_argument("--no-exact", action="store_true",
                         help="leave out pagedoptim_fp32 (exact mode) from the large workload")
-    parser.add_argument("--device", default="cuda", help="the CUDA device (default: current)")
+    parser.add_argument("--device", default="cuda",
+                        help="the CUDA device (default: current); cpu: the harness on the CPU")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 16M params, 16 adapters, a tiny model, 1 warmup, "
                              "5 repeats, 256 MiB copy buffers")
@@ -451,32 +495,41 @@ def why_not_runnable(device: torch.device) -> str | None:
     return None
 
 
+def describe_device(device: torch.device) -> dict[str, Any]:
+    if device.type != "cuda":
+        return {"benchmark": "gpu_device", "name": "cpu (the harness run: no GPU number)",
+                "torch": torch.__version__}
+    from pagedoptim._native import native
+
+    props = torch.cuda.get_device_properties(device)
+    return {"benchmark": "gpu_device", "name": props.name,
+            "capability": f"{props.major}.{props.minor}",
+            "multiprocessors": props.multi_processor_count, "memory_bytes": props.total_memory,
+            "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+            "pagedoptim_cuda_version": native.cuda_version()}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.plan:
         plan(args)
         return 0
     device = torch.device(args.device)
-    reason = why_not_runnable(device)
+    reason = None if device.type == "cpu" else why_not_runnable(device)
     if reason is not None:
         emit({"skipped": reason})
         return 0
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    torch.cuda.set_device(device)
-    from pagedoptim._native import native
-
-    props = torch.cuda.get_device_properties(device)
-    emit({"benchmark": "gpu_device", "name": props.name,
-          "capability": f"{props.major}.{props.minor}",
-          "multiprocessors": props.multi_processor_count, "memory_bytes": props.total_memory,
-          "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-          "pagedoptim_cuda_version": native.cuda_version()})
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    emit(describe_device(device))
 
     probe = CopyProbe(device, args.copy_mib << 20)
     alone = time_cuda_interleaved({PROBE: probe}, warmup=2, repeats=max(args.repeats, 10),
-                                  block=args.block)[PROBE]
-    emit({"benchmark": "gpu_copy_bandwidth", "buffer_bytes": args.copy_mib << 20,
+                                  block=args.block, device=device)[PROBE]
+    emit({"benchmark": "gpu_copy_bandwidth", "device": device.type,
+          "buffer_bytes": args.copy_mib << 20,
           "best_gbps": significant(probe.gbps(min(alone.latency_s))),
           "median_gbps": significant(probe.gbps(alone.median)),
           "pipelined_gbps": significant(probe.gbps(statistics.median(alone.pipelined_s)))})
@@ -501,8 +554,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             emit({"benchmark": f"gpu_{name}", "error": f"{type(error).__name__}: {error}"})
             traceback.print_exc(file=sys.stderr)
         gc.collect()
-        torch.cuda.empty_cache()
-    emit(targets(results["large"], results["lora"], results["memory"]))
+        _empty_cache(device)
+    emit({**targets(results["large"], results["lora"], results["memory"]), "device": device.type})
     return 1 if failed else 0
 
 

@@ -6,18 +6,23 @@ Every kernel variant the table runs (AdamW with and without amsgrad, SGD with an
 momentum, Lion; fp32/bf16/fp16 params; fp32 and 8-bit state; no, int8 and int16 residuals),
 over params whose sizes are off the 32-element group (partial last groups), a 0-dim param,
 pages of 4 KiB (segments that start at odd group offsets inside shared pages), GradScaler's
-unscale and skip paths, gradient release, and a state_dict round trip. Each case is small: under
-a sanitizer every access is checked, so the cases are chosen for coverage, not size.
+unscale and skip paths, gradient release, a state_dict round trip, SkewAdam's statistics and
+elementwise kernels (every tier), and state paged through the device cache to pinned host
+memory and to the page file (the copy engine's side of a step). Each case is small: under a
+sanitizer every access is checked, so the cases are chosen for coverage, not size.
 
 Each case also compares the CUDA params with a CPU run of the same config, bit for bit (the
 full comparison, state included, is tests/python/test_cuda_step.py): a sanitizer run that
 passes its checks but computes wrong numbers should not look clean.
 
 One JSON line per case, then a summary line; exit status 1 if any case failed, 0 otherwise
-(also when there is no CUDA device: then it prints {"skipped": ...}).
+(also when there is no CUDA device: then it prints {"skipped": ...}). `--simulated` runs every
+case on the simulated device instead (CPU params, the host emulation of the kernels): how CI
+checks the cases themselves before a sanitizer runs them.
 
     python scripts/gpu_sanitize_cases.py            # all cases
     python scripts/gpu_sanitize_cases.py --quick    # one format per algorithm
+    python scripts/gpu_sanitize_cases.py --quick --simulated   # on a machine without a GPU
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 PAGEDOPTIM_CUDA_DEBUG_SYNC=1 \\
         compute-sanitizer --tool memcheck python scripts/gpu_sanitize_cases.py
 """
@@ -28,6 +33,7 @@ import argparse
 import copy
 import json
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -37,7 +43,10 @@ from torch import nn
 
 SHAPES = [(), (31,), (33,), (1000,), (64, 65)]
 PAGE_BYTES = 4096
-DEVICE = "cuda"  # module-level so that the cases can be dry-run elsewhere
+DEVICE = "cuda"  # "cpu" with --simulated
+# What an optimizer over DEVICE params adds to its arguments: with --simulated, a cache that
+# holds all of its state on the simulated device (the analogue of CUDA's resident state).
+ON_DEVICE: dict = {}
 
 ALGORITHMS = {
     "adamw": ("AdamW", dict(lr=1e-2, weight_decay=0.1)),
@@ -90,13 +99,20 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def lockstep_case(class_name, kwargs, dtype, shapes, steps=2):
+def on_device(kwargs: dict) -> dict:
+    """`kwargs` for an optimizer over DEVICE params: its own paging options, else ON_DEVICE."""
+    return kwargs if "offload" in kwargs else {**ON_DEVICE, **kwargs}
+
+
+def lockstep_case(class_name, kwargs, dtype, shapes, steps=2, groups=list):
+    """A CPU and a device copy of the same params (param groups made by `groups`) stepped
+    together; the device's params must equal the CPU's bit for bit."""
     factory = optimizer_class(class_name)
     values = values_for(shapes, dtype)
     cpu = [nn.Parameter(v.clone()) for v in values]
     cuda = [nn.Parameter(v.to(DEVICE, copy=True)) for v in values]
-    cpu_opt = factory(cpu, **kwargs)
-    cuda_opt = factory(cuda, **kwargs)
+    cpu_opt = factory(groups(cpu), **{k: v for k, v in kwargs.items() if k not in PAGING_KEYS})
+    cuda_opt = factory(groups(cuda), **on_device(kwargs))
     for t in range(steps):
         for p, q, g in zip(cpu, cuda, grads_for(shapes, t)):
             cast = g.to(dtype)
@@ -118,7 +134,7 @@ def amp_case(class_name, kwargs, dtype):
     cpu = [nn.Parameter(v.clone()) for v in values]
     cuda = [nn.Parameter(v.to(DEVICE, copy=True)) for v in values]
     cpu_opt = factory(cpu, **kwargs)
-    cuda_opt = factory(cuda, **kwargs)
+    cuda_opt = factory(cuda, **on_device(kwargs))
     scaler = torch.amp.GradScaler(torch.device(DEVICE).type, init_scale=1024.0)
     scaler.scale(torch.ones((), device=DEVICE))
     for t, poison in ((0, False), (1, True), (2, False)):
@@ -143,7 +159,7 @@ def release_case(class_name, kwargs, dtype):
     factory = optimizer_class(class_name)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(40, 33), nn.Tanh(), nn.Linear(33, 7)).to(DEVICE, dtype)
-    opt = factory(model.parameters(), release_grads=True, **kwargs)
+    opt = factory(model.parameters(), release_grads=True, **on_device(kwargs))
     gen = torch.Generator().manual_seed(3)
     for _ in range(2):
         x = torch.randn(8, 40, generator=gen).to(DEVICE, dtype)
@@ -160,7 +176,7 @@ def lora_case(dtype_small, dtype_large):
     cpu = [nn.Parameter(v.clone()) for v in values]
     cuda = [nn.Parameter(v.to(DEVICE, copy=True)) for v in values]
     kwargs = dict(lr=1e-3, page_bytes=64 << 10)
-    cpu_opt, cuda_opt = factory(cpu, **kwargs), factory(cuda, **kwargs)
+    cpu_opt, cuda_opt = factory(cpu, **kwargs), factory(cuda, **on_device(kwargs))
     for t in range(2):
         for p, q, g in zip(cpu, cuda, grads_for(shapes, t)):
             cast = g.to(p.dtype)
@@ -178,12 +194,44 @@ def state_dict_case():
                                          torch.bfloat16, SHAPES)
     saved = copy.deepcopy(cuda_opt.state_dict())  # as a checkpoint: not the live tensors
     copies = [nn.Parameter(p.detach().clone()) for p in cuda]
-    resumed = optimizer_class("AdamW")(copies, lr=1e-2, page_bytes=PAGE_BYTES)
+    resumed = optimizer_class("AdamW")(copies, **on_device(dict(lr=1e-2, page_bytes=PAGE_BYTES)))
     resumed.load_state_dict(saved)
     for p, g in zip(copies, grads_for(SHAPES, 9)):
         p.grad = g.to(p.dtype).to(DEVICE)
     resumed.step()
     synchronize()
+
+
+# SkewAdam's tiers (factored backbone matrices with momentum, [E, rows, cols] experts with
+# factors only, an exact router, exact 1-D params), rows off the 16-lane split.
+SKEW_TIERS = [("backbone", [(40, 24), (33,)]), ("experts", [(3, 9, 37)]), ("router", [(8, 40)])]
+
+
+def skewadam_case(dtype, state_bits, master_bits):
+    """SkewAdam's statistics kernels and its elementwise tables, against the CPU."""
+    def tiers(params):
+        out, start = [], 0
+        for tier, tier_shapes in SKEW_TIERS:
+            out.append({"params": params[start:start + len(tier_shapes)], "tier": tier})
+            start += len(tier_shapes)
+        return out
+
+    kwargs = dict(lr=1e-2, weight_decay=0.1, state_bits=state_bits, master_bits=master_bits,
+                  page_bytes=PAGE_BYTES)
+    shapes = [shape for _, tier in SKEW_TIERS for shape in tier]
+    lockstep_case("SkewAdam", kwargs, dtype, shapes, groups=tiers)
+
+
+PAGING_KEYS = ("offload", "cache_bytes", "nvme_dir", "prefetch", "policy")
+
+
+def offload_case(offload: str):
+    """State paged through a device cache of three pages to pinned host memory or the page
+    file: the copy engine moves pages while the tables run, over three steps."""
+    nvme = dict(nvme_dir=tempfile.mkdtemp(prefix="pagedoptim-sanitize-")) if offload == "nvme" else {}
+    kwargs = dict(lr=1e-2, weight_decay=0.1, page_bytes=PAGE_BYTES, offload=offload,
+                  cache_bytes=3 * PAGE_BYTES, prefetch=2, **nvme)
+    lockstep_case("AdamW", kwargs, torch.bfloat16, SHAPES, steps=3)
 
 
 def cases(quick: bool) -> list[tuple[str, Callable[[], None]]]:
@@ -203,6 +251,11 @@ def cases(quick: bool) -> list[tuple[str, Callable[[], None]]]:
                     release_case(c, k, torch.bfloat16)))
     out.append(("lora-fp32-bf16", lambda: lora_case(torch.float32, torch.bfloat16)))
     out.append(("state-dict", state_dict_case))
+    for dtype, bits_, master in formats:
+        out.append((f"skewadam-{str(dtype)[6:]}-state{bits_}-master{master}",
+                    lambda d=dtype, b=bits_, m=master: skewadam_case(d, b, m)))
+    for offload in ("host", "nvme"):
+        out.append((f"offload-{offload}", lambda o=offload: offload_case(o)))
     return out
 
 
@@ -211,12 +264,21 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one format per algorithm")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
+    parser.add_argument("--simulated", action="store_true",
+                        help="run the cases on the simulated device (no GPU needed)")
     args = parser.parse_args()
     selected = cases(args.quick)
     if args.list:
         for label, _ in selected:
             print(label)
         return 0
+    if args.simulated:
+        global DEVICE, ON_DEVICE
+        from pagedoptim import paging
+
+        DEVICE, ON_DEVICE = "cpu", dict(offload="host", cache_bytes=1 << 30)
+        with paging.simulated_device():
+            return run_cases(selected)
     if not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device"}), flush=True)
         return 0
@@ -226,6 +288,10 @@ def main() -> int:
         print(json.dumps({"skipped": "pagedoptim was built without its CUDA kernels"}),
               flush=True)
         return 0
+    return run_cases(selected)
+
+
+def run_cases(selected: list[tuple[str, Callable[[], None]]]) -> int:
     failed = []
     started = time.perf_counter()
     for label, run in selected:

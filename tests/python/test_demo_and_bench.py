@@ -210,6 +210,26 @@ def test_gpu_paging_harness_runs_on_the_cpu():
     assert records[-1]["bench"] == "gpu_paging_targets"
 
 
+def test_gpu_step_harness_runs_on_the_cpu():
+    """benchmarks/gpu_step.py's workloads, timing loop and targets, run on the CPU (host clock):
+    what its first GPU run executes, but for CUDA events and the memory workload."""
+    result = run([str(REPO_ROOT / "benchmarks" / "gpu_step.py"), "--quick", "--device", "cpu",
+                  "--params", "1M", "--lora-groups", "1", "--copy-mib", "16", "--repeats", "2",
+                  "--block", "2"], timeout=600)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert all(r.get("device", "cpu") == "cpu" for r in records[1:]), records
+    steps = [r for r in records if r.get("benchmark") == "gpu_step_throughput"]
+    assert {(r["workload"], r["optimizer"]) for r in steps} == {
+        ("1M", "torch_fused_fp32"), ("1M", "torch_fused_bf16"), ("1M", "pagedoptim_8bit_bf16"),
+        ("1M", "pagedoptim_8bit_bf16_scalar"), ("1M", "pagedoptim_fp32"),
+        ("lora4", "torch_fused_fp32"), ("lora4", "pagedoptim_8bit")}
+    assert all(r["params_per_s"] > 0 and r["copy_gbps"] > 0 for r in steps)
+    assert next(r for r in records if r.get("benchmark") == "gpu_memory")["skipped"]
+    targets = records[-1]
+    assert targets["benchmark"] == "gpu_targets" and len(targets["targets"]) == 3
+
+
 def test_compressed_throughput_reports_both_param_dtypes_and_the_targets():
     result = run([str(REPO_ROOT / "benchmarks" / "compressed_throughput.py"), "--quick",
                   "--no-lora"], timeout=600)
