@@ -42,9 +42,9 @@ exits 0 whether or not they are met (1 only when a workload failed to run):
 
 Without a CUDA device (and without --device cpu) it prints {"skipped": "no CUDA device"} and
 exits 0. --device cpu runs every workload's code on the CPU (host clock instead of CUDA events;
-the memory workload, which needs CUDA's allocator statistics, is reported skipped), so that the
-first GPU run does not fail on a typo (tests/python/test_demo_and_bench.py); its numbers say
-nothing about a GPU, and each line carries "device": "cpu".
+the memory workload, which needs CUDA's allocator statistics, is reported not measured), so
+that the first GPU run does not fail on a typo (tests/python/test_demo_and_bench.py); its
+numbers say nothing about a GPU, and each line carries "device": "cpu".
 """
 
 from __future__ import annotations
@@ -336,7 +336,7 @@ def measure_memory(device: torch.device, args: argparse.Namespace
                    ) -> dict[str, dict[str, Any]] | None:
     if device.type != "cuda":
         emit({"benchmark": "gpu_memory", "device": device.type,
-              "skipped": "needs torch.cuda's allocator statistics"})
+              "not_measured": "needs torch.cuda's allocator statistics"})
         return None
     label, template, loss_of = llama_like(args.quick)
     num_params = sum(p.numel() for p in template.parameters())

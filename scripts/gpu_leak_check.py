@@ -4,8 +4,8 @@ Creates, steps and closes CUDA-param optimizers CYCLES times in each configurati
 resident on the device; paged through the device cache over pinned host memory; over the
 page file), after a warm-up, and checks that the process holds what it held before:
 
-- torch.cuda.memory_allocated() ("device_delta"): exactly the same bytes (the page cache's slabs come from
-  torch's caching allocator, so a slab never given back shows here);
+- torch.cuda.memory_allocated() ("device_delta"): exactly the same bytes (the page cache's
+  slabs come from torch's caching allocator, so a slab never given back shows here);
 - the process's resident memory: within 32 MiB. The pinned host tier and the bounce buffers
   are cudaHostAlloc'd (outside torch's counters) and resident once touched; one cycle holds
   at least 1 MiB of them, so a leak of one per cycle would add 200 MiB;

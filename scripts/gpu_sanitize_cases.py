@@ -228,7 +228,9 @@ PAGING_KEYS = ("offload", "cache_bytes", "nvme_dir", "prefetch", "policy")
 def offload_case(offload: str):
     """State paged through a device cache of three pages to pinned host memory or the page
     file: the copy engine moves pages while the tables run, over three steps."""
-    nvme = dict(nvme_dir=tempfile.mkdtemp(prefix="pagedoptim-sanitize-")) if offload == "nvme" else {}
+    nvme = {}
+    if offload == "nvme":
+        nvme = dict(nvme_dir=tempfile.mkdtemp(prefix="pagedoptim-sanitize-"))
     kwargs = dict(lr=1e-2, weight_decay=0.1, page_bytes=PAGE_BYTES, offload=offload,
                   cache_bytes=3 * PAGE_BYTES, prefetch=2, **nvme)
     lockstep_case("AdamW", kwargs, torch.bfloat16, SHAPES, steps=3)
