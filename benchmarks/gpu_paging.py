@@ -257,6 +257,8 @@ def train_run(size: str, device: torch.device, *, paged: bool, seq: int, batch: 
     }
     if device.type == "cuda":
         record["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        # The allocator's own view: slots are allocated a page at a time.
+        record["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
     record["plan"] = plan_against_measurement(model, opt, {"release_grads": True, **kw},
                                               seq=seq, batch=batch, device=device)
     if paged:

@@ -349,11 +349,15 @@ def measure_memory(device: torch.device, args: argparse.Namespace
         ("pagedoptim_bf16", torch.bfloat16, lambda ps: pagedoptim.AdamW(ps, **HYPERPARAMETERS)),
     ]
     peaks: dict[str, int] = {}
+    # Reserved beside allocated: the device cache's slots come from torch's caching allocator
+    # a page at a time, so fragmentation there shows as reserved bytes no tensor holds.
+    reserved: dict[str, int] = {}
     for name, dtype, make in runs:
         gc.collect()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(device)
+        base_reserved = torch.cuda.memory_reserved(device)
         torch.cuda.reset_peak_memory_stats(device)
         model = copy.deepcopy(template).to(device=device, dtype=dtype)
         opt = make(list(model.parameters()))
@@ -364,6 +368,7 @@ def measure_memory(device: torch.device, args: argparse.Namespace
             opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         peaks[name] = torch.cuda.max_memory_allocated(device) - base
+        reserved[name] = torch.cuda.max_memory_reserved(device) - base_reserved
         del model, opt
     gc.collect()
     torch.cuda.empty_cache()
@@ -378,6 +383,7 @@ def measure_memory(device: torch.device, args: argparse.Namespace
             "optimizer": name,
             "steps": args.memory_steps,
             "max_memory_allocated": peaks[name],
+            "max_memory_reserved": reserved[name],
             "bytes_per_param": significant(peaks[name] / num_params),
             "ratio_vs_torch_same_dtype": significant(peaks[name] / peaks[baseline]),
             "ratio_vs_torch_fused_fp32": significant(peaks[name] / peaks["torch_fused_fp32"]),

@@ -92,17 +92,17 @@ class PagedOptimizer(torch.optim.Optimizer):
         self.state: StateMap = StateMap(self)
         # What can be known wrong before the first step is reported here, not there.
         paging.check_before_first_step(options, self._device)
-        self._check_page_file_fits()
+        self._check_page_file_fits(self._device)
         if options.release_grads:
             release_guard.watch(self)
 
-    def _check_page_file_fits(self) -> None:
+    def _check_page_file_fits(self, device: Optional[torch.device]) -> None:
         # Meta params (`python -m pagedoptim plan` sizes a 70B model's state with them) never
         # get a page file.
-        if self._device is None or self._device.type == "meta" \
-                or paging.resolve_offload(self._options, self._device) != "nvme":
+        if device is None or device.type == "meta" \
+                or paging.resolve_offload(self._options, device) != "nvme":
             return
-        plan = state_plan.plan_state(self, self._device)
+        plan = state_plan.plan_state(self, device)
         paging.check_page_file_fits(self._options, plan.num_pages * plan.page_bytes)
 
     # -- lifecycle (pagedoptim/lifecycle.py) -----------------------------------------------
@@ -268,10 +268,17 @@ class PagedOptimizer(torch.optim.Optimizer):
             compiled_step.step_under_compile(self)
             return loss
         amp = self._amp_arguments() if self._step_supports_amp_scaling else {}
+        stepped = [(p, group_id, p.grad, {}) for group_id, group in enumerate(self.param_groups)
+                   for p in group["params"] if p.grad is not None]
         try:
-            self._step_params([(p, group_id, p.grad, {})
-                               for group_id, group in enumerate(self.param_groups)
-                               for p in group["params"] if p.grad is not None], amp)
+            self._step_params(stepped, amp)
+            if "grad_scale" in amp:
+                # The kernels read the gradients unscaled; torch's optimizers leave them so
+                # in p.grad too (GradScaler unscales them in place, the fused kernels write
+                # them back), for whatever reads them after the step. One pass on the stream,
+                # no sync.
+                torch._foreach_div_([g for _, _, g, _ in stepped if not g.is_sparse],
+                                    amp["grad_scale"].reshape(()))
         except BaseException:
             # GradScaler.step sets these before calling step() and deletes them after it
             # returns. After a raise they would stay, and the retry's scaler.step() would
@@ -514,7 +521,14 @@ class PagedOptimizer(torch.optim.Optimizer):
     @open_only
     def _ensure_engine(self) -> Any:
         if self._engine is None:
-            self._device = self._engine_device()
+            device = self._engine_device()
+            if device != self._device:
+                # The params moved after construction (`opt = po.AdamW(model.parameters());
+                # model.cuda()`): the paging checks of construction judged another device
+                # (the offload tier chosen, the cache against the GPU's free memory).
+                paging.check_before_first_step(self._options, device)
+                self._check_page_file_fits(device)
+                self._device = device
             for index, p in enumerate(self._indexed_params()):
                 if p.device != self._device:
                     raise ValueError(f"params must all be on one device: param {index} is on "
@@ -758,7 +772,10 @@ class PagedOptimizer(torch.optim.Optimizer):
                 continue
             entry = dict(value.plain_items()) if isinstance(value, ParamState) else dict(value)
             if isinstance(entry.get("step"), torch.Tensor):
-                entry["step"] = entry["step"].clone()  # a snapshot, like the streams
+                # A snapshot, like the streams, on the CPU where the state is on a device: as
+                # torch's AdamW keeps it (unless fused or capturable), which reads a device
+                # step back with a sync per param per step after loading it.
+                entry["step"] = entry["step"].detach().to("cpu", copy=True)
             entry.update({name: self._read_state_tensor(key, name)
                           for name in self._state_stream_keys(key)})
             if entry:  # torch keeps no entry for a param without state

@@ -192,6 +192,21 @@ def test_a_cache_larger_than_free_device_memory_fails_at_construction():
         po.AdamW([p], offload="host", cache_bytes=free + (1 << 30))
 
 
+@needs_cuda("the free memory of a CUDA device")
+def test_paging_checks_judge_the_device_the_params_are_on_at_the_first_step():
+    """`opt = po.AdamW(model.parameters(), ...); model.cuda()`: the cache is checked against
+    the GPU's free memory when the state is created there, before any of it is."""
+    model = nn.Linear(64, 64)
+    free, _ = torch.cuda.mem_get_info(DEVICE)
+    opt = po.AdamW(model.parameters(), offload="host", cache_bytes=free + (1 << 30))
+    model.to(DEVICE)
+    model(torch.randn(2, 64, device=DEVICE)).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="bytes free on cuda:0"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 def paged_with_faults(tmp_path, steps: int) -> tuple[list, po.AdamW]:
     params = make_params(torch.bfloat16)
     # The engine, and so its page store, is built at the first step: inside the block.

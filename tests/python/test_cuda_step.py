@@ -542,6 +542,10 @@ def test_state_dict_moves_between_cpu_and_cuda(name, fmt):
     for t in range(2):
         run.step(grads(t))
 
+    # `step` comes out on the CPU, as torch's AdamW keeps it: loaded there, a device step
+    # would cost a host sync per param per step.
+    for entry in run.cuda_opt.state_dict()["state"].values():
+        assert "step" not in entry or entry["step"].device.type == "cpu"
     cpu_from_cuda = [nn.Parameter(p.detach().cpu().clone()) for p in run.cuda]
     opt_cpu_from_cuda = factory(cpu_from_cuda, **kwargs)
     # Deep copies, as a checkpoint gives: a live optimizer's state_dict shares its tensors.
@@ -607,6 +611,9 @@ def test_grad_scaler_steps_match_steps_on_unscaled_gradients(dtype, scale, state
         scaler.step(run.cuda_opt)
         scaler.update()
         run.cpu_opt.step()
+        # As torch's optimizers leave them: p.grad unscaled after scaler.step.
+        for p, u in zip(run.cuda, unscaled):
+            assert_same("p.grad after scaler.step", u, p.grad)
     assert scaler.get_scale() == scale
     run.assert_identical(f"GradScaler scale={scale}")
 
