@@ -253,6 +253,27 @@ def test_device_cached_optimizers_give_back_every_device_resource(offload, tmp_p
 
 # -- checks at construction --------------------------------------------------------------------
 
+def test_a_load_into_an_optimizer_with_state_gives_the_old_state_back():
+    """load_state_dict builds the new state beside the old (so a bad state dict changes
+    nothing) and then lets the old go: afterwards the device holds one state, not two. (While
+    it loads it holds both: docs/reliability.md.)"""
+    from pagedoptim._native import native
+    usage = native.simulated_device_usage
+    p = torch.nn.Parameter(torch.randn(1 << 15))
+    p.grad = torch.randn_like(p)
+    with paging.simulated_device():
+        opt = po.AdamW([p], lr=1e-2, page_bytes=PAGE, offload="host", cache_bytes=1 << 30)
+        opt.step()
+        one_state = usage()
+        assert one_state["device_bytes"] > 0
+        for _ in range(3):
+            opt.load_state_dict(opt.state_dict())
+            gc.collect()
+            opt.step()
+            assert usage() == one_state
+        opt.close()
+
+
 def test_a_page_file_larger_than_the_free_space_is_reported_at_construction(tmp_path,
                                                                             monkeypatch):
     p = torch.nn.Parameter(torch.randn(40_000))
