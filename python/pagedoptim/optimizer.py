@@ -15,6 +15,7 @@ convert between fp32 and companded 8-bit formats where the formats differ.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 from typing import Any, Callable, Optional
 
@@ -154,6 +155,21 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def _native_step(self, *args: Any) -> None:
         raise NotImplementedError
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The state-format and paging settings this optimizer runs with (from its keyword
+        arguments, Trainer's optim_args or the PAGEDOPTIM_* environment, whichever gave
+        them): state_bits, master_bits, offload, nvme_dir, cache_bytes, page_bytes,
+        prefetch, policy, release_grads. A copy: changing it changes nothing."""
+        return dataclasses.asdict(self._options)
+
+    def __repr__(self) -> str:
+        # torch's repr (the class and its param groups), with the settings after the name:
+        # under PAGEDOPTIM=1 the class name alone cannot say that the saving is on.
+        shown = ", ".join(f"{k}={v!r}" for k, v in self.settings.items())
+        name = type(self).__name__
+        return super().__repr__().replace(f"{name} (", f"{name} (pagedoptim: {shown}", 1)
 
     @property
     def release_grads(self) -> bool:
@@ -1092,9 +1108,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         errors, the io backend and why it fell back, the O_DIRECT status. offload is None
         when the state is not paged; everything counts zero before the first step."""
         if self._engine is None:
-            return {"offload": paging.resolve_offload(self._options, self._engine_device()),
-                    "hits": 0, "misses": 0, "hit_rate": 0.0, "bytes_read": {},
-                    "bytes_written": {}, "stall_seconds": 0.0}
+            return paging.stats_before_first_step(self._options, self._engine_device())
         return self._engine.paging_stats()
 
 

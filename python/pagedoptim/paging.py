@@ -219,6 +219,29 @@ def check_before_first_step(options: PagingOptions, device: Optional[torch.devic
                          f"{'pinned host memory' if offload == 'host' else 'the page file'})")
 
 
+def stats_before_first_step(options: PagingOptions, device: Optional[torch.device]
+                            ) -> dict[str, Any]:
+    """paging_stats() of an optimizer whose state does not exist yet: every key the engine
+    reports, the settings where they are known already, every count zero. page_bytes and
+    the page counts are chosen with the state (None until then)."""
+    store = store_options(options, device)
+    paged = store is not None
+    return {
+        "policy": options.policy if paged else None,
+        "prefetch": options.prefetch if paged else 0,
+        "page_bytes": options.page_bytes, "num_pages": 0, "budget_pages": None,
+        "cache_bytes": store["cache_bytes"] if paged else None,
+        "resident_bytes": 0, "resident_pages": 0, "peak_resident_pages": 0,
+        "over_budget_pages": 0, "pin_limit": None,
+        "hits": 0, "misses": 0, "hit_rate": 0.0, "prefetch_hits": 0, "evictions": 0,
+        "pending_error": None, "offload": resolve_offload(options, device), "zero_fills": 0,
+        "reads": 0, "writes": 0, "bytes_read": {}, "bytes_written": {}, "stall_seconds": 0.0,
+        "read_retries": 0, "read_errors": 0, "checksum_errors": 0, "write_errors": 0,
+        "io_backend": None, "io_fallback_reason": "", "direct_io": None,
+        "direct_io_reason": "", "page_file": None,
+    }
+
+
 def warn_about_fallbacks(engine: Any) -> None:
     """A warning for each way the page file runs below its best: POSIX instead of io_uring,
     buffered instead of O_DIRECT."""

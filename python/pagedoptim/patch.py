@@ -11,6 +11,7 @@ replacements accept.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 import torch
@@ -75,9 +76,31 @@ def unpatch() -> None:
     _patched = False
 
 
+_announced = False
+
+
 def patch_from_environment() -> bool:
-    """patch() if PAGEDOPTIM asks for it; returns whether it did."""
+    """patch() if PAGEDOPTIM asks for it, and says so once per process on stderr (the flag
+    is otherwise invisible: the patched classes keep torch's names); returns whether it
+    patched."""
+    global _announced
     if not env_settings.flag_enabled():
         return False
     patch()
+    if not _announced:
+        _announced = True
+        sys.stderr.write(announcement() + "\n")
+        sys.stderr.flush()
     return True
+
+
+def announcement() -> str:
+    """What PAGEDOPTIM=1 did, in one line: which torch.optim names build what, with which
+    settings."""
+    algorithm = env_settings.algorithm_from_environment()
+    built = ", ".join(f"torch.optim.{name} -> pagedoptim {stand_in.__name__}"
+                      for name, stand_in in STAND_INS_BY_ALGORITHM[algorithm].items())
+    settings = paging_kwargs.with_defaults(env_settings.settings_from_environment())
+    shown = ", ".join(f"{k}={v!r}" for k, v in settings.items())
+    return (f"pagedoptim: {env_settings.FLAG}=1 is on in this process: {built}; with {shown} "
+            "(repr(optimizer) and optimizer.settings show them)")

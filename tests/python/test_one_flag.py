@@ -314,6 +314,50 @@ def test_flag_makes_torch_names_ours_with_settings_from_the_environment(tmp_path
     assert result.returncode == 0 and "patched" in result.stdout, result.stderr
 
 
+def test_the_flag_says_once_on_stderr_what_it_did_and_the_optimizer_shows_its_settings(tmp_path):
+    """A user who set PAGEDOPTIM=1 sees that it took, and with which settings: one line on
+    stderr per process, however many optimizers; repr() and .settings of each."""
+    result = run_script("""
+        import torch
+        params = [torch.nn.Parameter(torch.randn(33))]
+        first = torch.optim.AdamW(params, lr=1e-2)
+        second = torch.optim.SGD(params, lr=1e-2)
+        print(repr(first).splitlines()[0])
+        print(first.settings)
+        """, tmp_path, PAGEDOPTIM="1", PAGEDOPTIM_STATE_BITS="32", PAGEDOPTIM_MASTER_BITS="none")
+    assert result.returncode == 0, result.stderr
+    said = [line for line in result.stderr.splitlines() if line.startswith("pagedoptim:")]
+    assert len(said) == 1, result.stderr
+    assert "PAGEDOPTIM=1 is on" in said[0]
+    assert "torch.optim.AdamW -> pagedoptim AdamW" in said[0]
+    assert "torch.optim.SGD -> pagedoptim SGD" in said[0]
+    assert "state_bits=32, master_bits=None" in said[0]
+    shown, settings = result.stdout.splitlines()
+    assert shown.startswith("AdamW (pagedoptim: state_bits=32, master_bits=None, offload=None")
+    assert "'state_bits': 32" in settings and "'release_grads': False" in settings
+
+
+def test_without_the_flag_nothing_is_said(tmp_path):
+    result = run_script("import torch, pagedoptim", tmp_path)
+    assert result.returncode == 0 and "pagedoptim:" not in result.stderr, result.stderr
+
+
+def test_settings_is_a_copy_and_paging_stats_has_every_key_before_the_first_step(tmp_path):
+    p = torch.nn.Parameter(torch.randn(1000))
+    opt = po.AdamW([p], offload="nvme", nvme_dir=tmp_path, cache_bytes=64 << 10)
+    opt.settings["state_bits"] = 32
+    assert opt.settings["state_bits"] == 8 and opt.settings["cache_bytes"] == 64 << 10
+    before = opt.paging_stats()
+    assert before["offload"] == "nvme" and before["cache_bytes"] == 64 << 10
+    assert before["hits"] == before["misses"] == before["num_pages"] == 0
+    p.grad = torch.randn_like(p)
+    opt.step()
+    assert before.keys() == opt.paging_stats().keys()
+    unpaged = po.AdamW([p])
+    assert unpaged.paging_stats().keys() == before.keys()
+    assert unpaged.paging_stats()["offload"] is None
+
+
 def test_flag_patches_when_the_script_imports_pagedoptim_first(tmp_path):
     # pagedoptim imports torch half-way through its own import: the patch must wait for it.
     result = run_script("""
