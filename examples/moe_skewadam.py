@@ -25,6 +25,7 @@ from transformers import MixtralConfig, MixtralForCausalLM
 
 import pagedoptim as po
 from pagedoptim.demo import BatchSampler, load_stdlib_bytes
+from pagedoptim.setting_text import byte_size_argument
 
 
 def main() -> None:
@@ -40,8 +41,8 @@ def main() -> None:
     parser.add_argument("--nvme-dir", default=None,
                         help="directory of the page file with --offload nvme (default: "
                              "$TMPDIR or /tmp)")
-    parser.add_argument("--cache-bytes", type=int, default=None,
-                        help="bytes of state kept resident with --offload (default 1 GiB)")
+    parser.add_argument("--cache-bytes", type=byte_size_argument, default=None,
+                        help="bytes of state kept resident with --offload, e.g. 64MiB (default 1 GiB)")
     args = parser.parse_args()
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")

@@ -30,6 +30,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArgumen
 import pagedoptim as po
 from pagedoptim.demo import load_stdlib_bytes
 from pagedoptim.integrations import unwrap_optimizer
+from pagedoptim.setting_text import byte_size_argument
 
 
 def byte_dataset(examples: int, seq_len: int) -> list[dict[str, torch.Tensor]]:
@@ -54,8 +55,8 @@ def main() -> None:
     parser.add_argument("--nvme-dir", default=None,
                         help="directory of the page file with --offload nvme (default: "
                              "$TMPDIR or /tmp)")
-    parser.add_argument("--cache-bytes", type=int, default=None,
-                        help="bytes of state kept resident with --offload (default 1 GiB)")
+    parser.add_argument("--cache-bytes", type=byte_size_argument, default=None,
+                        help="bytes of state kept resident with --offload, e.g. 64MiB (default 1 GiB)")
     parser.add_argument("--output-dir", default=None,
                         help="Trainer's output_dir (default: a temporary directory)")
     args = parser.parse_args()

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 import pagedoptim
 from pagedoptim.demo_plot import save_demo_figure
+from pagedoptim.setting_text import byte_size_argument
 from pagedoptim.options import PAGE_ALIGNMENT
 from pagedoptim.progress import progress_bar
 
@@ -429,7 +430,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--held-out-windows", type=int, default=64,
                         help="held-out sequences the final loss is measured on (default: %(default)s)")
-    parser.add_argument("--cache-bytes", type=int, default=None,
+    parser.add_argument("--cache-bytes", type=byte_size_argument, default=None,
                         help="resident pages of the paged run (default: a quarter of its state)")
     parser.add_argument("--nvme-dir", default=None,
                         help="directory of the paged run's page file (default: $TMPDIR or /tmp)")

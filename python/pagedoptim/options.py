@@ -12,6 +12,7 @@ import os
 from typing import Optional
 
 from pagedoptim._validation import check_non_negative
+from pagedoptim.setting_text import parse_byte_size
 
 PAGE_ALIGNMENT = 4096  # O_DIRECT and the native geometry need pages of whole 4 KiB
 _POLICIES = ("auto", "lru", "plan")
@@ -31,6 +32,23 @@ class PagingOptions:
     release_grads: bool = False
 
     def __post_init__(self) -> None:
+        # Written the way the PAGEDOPTIM_* variables and optim_args take them: sizes as text
+        # ("512MiB", "2GB"), names in any case, nvme_dir with "~". One spelling for a setting,
+        # whichever way it is given.
+        for name in ("cache_bytes", "page_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                try:
+                    object.__setattr__(self, name, parse_byte_size(value))
+                except ValueError as error:
+                    raise ValueError(f"Invalid {name}: {value!r} ({error})") from None
+        for name in ("offload", "policy"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                lowered = value.strip().lower()
+                object.__setattr__(self, name, None if lowered == "none" else lowered)
+        if isinstance(self.nvme_dir, (str, os.PathLike)):
+            object.__setattr__(self, "nvme_dir", os.path.expanduser(os.fspath(self.nvme_dir)))
         if self.state_bits not in (8, 32):
             raise ValueError(f"Invalid state_bits: {self.state_bits!r} (expected 32 or 8)")
         if self.master_bits not in (None, 24, 32):
@@ -46,8 +64,8 @@ class PagingOptions:
                                  "cold pages in host memory)")
         if self.cache_bytes is not None:
             if isinstance(self.cache_bytes, bool) or not isinstance(self.cache_bytes, int):
-                raise TypeError(f"cache_bytes must be an int (bytes), got "
-                                f"{type(self.cache_bytes).__name__}")
+                raise TypeError(f"cache_bytes must be a number of bytes (an int, or a size such "
+                                f"as '512MiB'), got {type(self.cache_bytes).__name__}")
             check_non_negative(self.cache_bytes, "cache_bytes")
         if self.page_bytes is not None and (
                 isinstance(self.page_bytes, bool) or not isinstance(self.page_bytes, int)

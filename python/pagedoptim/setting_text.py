@@ -7,6 +7,7 @@ the caller adds which setting it was.
 
 from __future__ import annotations
 
+import argparse
 import fractions
 import re
 from typing import Any, Callable
@@ -32,6 +33,14 @@ def parse_byte_size(text: str) -> int:
     if size.denominator != 1:
         raise ValueError("expected a whole number of bytes")
     return int(size)
+
+
+def byte_size_argument(text: str) -> int:
+    """parse_byte_size as an argparse type (--cache-bytes 64KiB), as the settings read it."""
+    try:
+        return parse_byte_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
 
 
 def parse_bool(text: str) -> bool:

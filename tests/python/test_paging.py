@@ -5,6 +5,9 @@ page file's life cycle, and the paging keyword arguments.
 
 import gc
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pagedoptim as po
-from pagedoptim import paging
+from pagedoptim import env_settings, paging
+
+REPO = Path(__file__).resolve().parents[2]
 
 PAGE = 4096
 OPTIMIZERS = {
@@ -302,7 +307,46 @@ def test_implied_offload(tmp_path):
     assert paging.store_options(options, torch.device("cpu")) is None
 
 
+@pytest.mark.parametrize("written,expected", [("1GiB", 1 << 30), ("1GB", 10**9),
+                                              ("64 KiB", 64 << 10), ("65536", 65536)])
+def test_sizes_are_written_as_the_environment_and_optim_args_write_them(written, expected,
+                                                                       monkeypatch, tmp_path):
+    """cache_bytes="1GB" in code means what PAGEDOPTIM_CACHE_BYTES=1GB means."""
+    opt = po.AdamW([torch.randn(3, requires_grad=True)], offload="nvme", nvme_dir=tmp_path,
+                   cache_bytes=written, page_bytes="8KiB")
+    monkeypatch.setenv("PAGEDOPTIM_CACHE_BYTES", written)
+    from_environment = env_settings.settings_from_environment()["cache_bytes"]
+    assert opt.settings["cache_bytes"] == from_environment == expected
+    assert opt.settings["page_bytes"] == 8192
+
+
+def test_names_and_paths_are_written_as_the_environment_writes_them(monkeypatch, tmp_path):
+    """offload="NVME" as PAGEDOPTIM_OFFLOAD=NVME; nvme_dir="~/pages" is the home's folder."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "pages").mkdir()
+    p = torch.nn.Parameter(torch.randn(1000))
+    opt = po.AdamW([p], offload="NVME", policy="LRU", nvme_dir="~/pages", cache_bytes="64KiB")
+    assert (opt.settings["offload"], opt.settings["policy"]) == ("nvme", "lru")
+    assert opt.settings["nvme_dir"] == str(tmp_path / "pages")
+    p.grad = torch.randn_like(p)
+    opt.step()
+    assert opt.paging_stats()["page_file"].startswith(str(tmp_path / "pages"))
+    with pytest.raises(ValueError, match=r"nvme_dir '.*missing' does not exist"):
+        po.AdamW([p], nvme_dir="~/missing")
+
+
+def test_examples_take_sizes_with_units():
+    from pagedoptim.setting_text import byte_size_argument
+    assert byte_size_argument("64KiB") == 65536
+    result = subprocess.run([sys.executable, str(REPO / "examples" / "peft_lora.py"),
+                             "--cache-bytes", "64XiB"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2
+    assert "--cache-bytes: '64XiB': expected a number of bytes or a size" in result.stderr
+
+
 @pytest.mark.parametrize("kw,error,word", [
+    (dict(offload="host", cache_bytes="1XB"), ValueError, "cache_bytes"),
     (dict(offload="disk"), ValueError, "offload"),
     (dict(offload="host", nvme_dir="/tmp"), ValueError, "nvme_dir"),
     (dict(nvme_dir=3), TypeError, "nvme_dir"),
