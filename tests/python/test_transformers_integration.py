@@ -3,7 +3,11 @@ PEFT LoRA and accelerate, on tiny models: a Llama (hidden 32, 2 layers, byte voc
 a Mixtral with fused [experts, rows, cols] tensors. Wherever torch defines the behaviour
 (state_bits=32, master_bits=None) the reference is the same run with torch.optim.AdamW."""
 
+import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -370,3 +374,28 @@ def test_accelerate_clipping_released_gradients_raises():
     torch.testing.assert_close(norm, expected)
     clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in other.parameters()]))
     assert clipped <= 0.1 + 1e-6
+
+
+def test_a_pagedoptim_trainer_checkpoint_resumes_with_torch_adamw_after_convert(tmp_path):
+    """The README's way back to torch: the 8-bit optimizer.pt of a Trainer checkpoint (two
+    param groups) converted in place, with the README's command, resumes under
+    optim="adamw_torch" and trains on."""
+    out = tmp_path / "out"
+    args = training_args(out, args_cls=PagedOptimTrainingArguments, optim="pagedoptim_adamw",
+                         max_steps=2, save_strategy="steps", save_steps=2)
+    PagedOptimTrainer(model=tiny_llama(), args=args, train_dataset=byte_dataset()).train()
+    saved = out / "checkpoint-2" / "optimizer.pt"
+    assert len(torch.load(saved, weights_only=True)["param_groups"]) == 2
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    command = next(line for line in readme.splitlines()
+                   if line.startswith("python -m pagedoptim convert out/checkpoint-500/"))
+    argv = command.replace("out/checkpoint-500", str(out / "checkpoint-2")).split()[1:]
+    done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "exp_avg" in next(iter(torch.load(saved, weights_only=True)["state"].values()))
+    resumed = transformers.Trainer(model=tiny_llama(), train_dataset=byte_dataset(),
+                                   args=training_args(out, optim="adamw_torch", max_steps=4))
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    losses = [entry["loss"] for entry in resumed.state.log_history if "loss" in entry]
+    assert resumed.state.global_step == 4 and len(losses) == 4  # with the first run's two
+    assert all(math.isfinite(loss) for loss in losses)
