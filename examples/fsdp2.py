@@ -133,7 +133,7 @@ def main(args: argparse.Namespace) -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2,
                         help="processes to start when not launched by torchrun (default 2)")
     parser.add_argument("--steps", type=int, default=8)

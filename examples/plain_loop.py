@@ -61,7 +61,7 @@ def state_report(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=16, help="bytes the model sees")

@@ -6,7 +6,7 @@ mode against torch.optim.AdamW, timed in the same rounds.
 Prints a table (or, with --json, the record), and writes the record where plan looks for it
 ($PAGEDOPTIM_BENCH_FILE, else ~/.cache/pagedoptim/bench.json; --output overrides).
 
-    python -m pagedoptim bench                       # about a minute on 2 cores
+    python -m pagedoptim bench                       # about 15 s on 2 cores
     python -m pagedoptim bench --dir /mnt/nvme --png bench.png
     python -m pagedoptim bench --quick               # tiny sizes, a few seconds
 """
@@ -35,8 +35,9 @@ from pagedoptim.setting_text import parse_byte_size
 MIB = 1 << 20
 
 # (normal, --quick) for each size the user may leave unset. The normal ones make the whole
-# run take about a minute on a 2-core machine: host buffers well past any last-level cache,
-# a disk file large enough that its bandwidth is the disk's, 16M params per mode.
+# run take about 15 s on a 2-core machine (13 s measured on 2026-12-06): host buffers well
+# past any last-level cache, a disk file large enough that its bandwidth is the disk's, 16M
+# params per mode.
 SIZES = {
     "params": (16 << 20, 1 << 16),
     "disk_bytes": (256 * MIB, 8 * MIB),

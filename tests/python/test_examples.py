@@ -128,3 +128,13 @@ def test_moe_skewadam_keeps_least_state_for_the_experts(tmp_path):
     # The experts hold most of the params; AdamW's 8-bit state would be 2.125 B per param.
     assert report["tiers"]["experts"]["num_elements"] > report["num_elements"] // 2
     assert report["state_bytes_per_param"] < 1.0
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.py")))
+def test_help_says_what_the_example_does_in_whole_sentences(example):
+    """`python examples/X.py --help` opens with the docstring's first paragraph, whole."""
+    result = subprocess.run([sys.executable, str(EXAMPLES / example), "--help"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    description = result.stdout.split("\n\n")[1]
+    assert description.rstrip().endswith("."), description
