@@ -32,6 +32,10 @@ from pagedoptim.setting_text import parse_byte_size
 # The smallest page cache plan recommends: MIN_CACHE_PAGES pages of 4 KiB would page too
 # often to be worth it; 64 MiB keeps steps from stalling on every page.
 _MIN_RECOMMENDED_CACHE = 64 << 20
+# GPU memory a plan leaves free: torch's caching allocator rounds and fragments, so a peak
+# of exactly the GPU's size would not run. 3% of the GPU, at least 256 MiB.
+_HEADROOM_FRACTION = 0.03
+_MIN_HEADROOM = 256 << 20
 _CACHE_ROUNDING = 2 << 20
 # The CPU pager's reads from the page file are as deep as its prefetch window: the default 4
 # pages of 2 MiB keep 8 MiB in flight. On the disk of docs/paging.md, a step of 1e9 bf16
@@ -40,6 +44,7 @@ _CACHE_ROUNDING = 2 << 20
 # the cache's budget, so plan asks for at most an eighth of it.
 _NVME_PREFETCH = 32
 _PEER_NAME = "8-bit, no paging"
+_MIXED_NAME = "torch AdamW, fp32 master"
 _CLASS_NAMES = {"adamw": "AdamW", "lion": "Lion", "sgd": "SGD"}
 # torch has no Lion: its column is a plain implementation's state (one moment per param).
 _TORCH_NAMES = {"adamw": "torch.optim.AdamW", "sgd": "torch.optim.SGD", "lion": "plain Lion"}
@@ -96,12 +101,20 @@ def _pagedoptim_column(name: str, params: Params, settings: dict[str, Any],
     return memory_plan.build_column(name, params, settings=settings, **context)
 
 
+def headroom_bytes(gpu_memory: Optional[int]) -> int:
+    """GPU memory a plan keeps free for the allocator (0 without a GPU)."""
+    if gpu_memory is None:
+        return 0
+    return max(_MIN_HEADROOM, int(gpu_memory * _HEADROOM_FRACTION))
+
+
 def _fits(column: Column, budget: dict[str, Optional[int]], on_gpu: bool) -> dict[str, int]:
-    """Bytes missing per resource (empty: it fits)."""
+    """Bytes missing per resource (empty: it fits), the GPU's headroom kept free."""
     missing = {}
     if on_gpu:
-        if column.device_peak > budget["gpu"]:
-            missing["gpu_memory"] = column.device_peak - budget["gpu"]
+        usable = budget["gpu"] - headroom_bytes(budget["gpu"])
+        if column.device_peak > usable:
+            missing["gpu_memory"] = column.device_peak - usable
         host = column.host_needed + memory_plan.HOST_OVERHEAD_BYTES
     else:
         host = column.device_peak + column.host_needed + memory_plan.HOST_OVERHEAD_BYTES
@@ -120,7 +133,9 @@ def _cache_that_fits(params: Params, settings: dict[str, Any], context: dict[str
     room = budget["gpu"] if on_gpu else budget["host"]
     if room is None:
         return 0
-    if not on_gpu:
+    if on_gpu:
+        room -= headroom_bytes(room)
+    else:
         room -= memory_plan.HOST_OVERHEAD_BYTES
     spare = room - (probe.device_peak - probe.page_cache)
     return max(0, spare // _CACHE_ROUNDING * _CACHE_ROUNDING)
@@ -214,6 +229,84 @@ def estimate_step(column: Column, params: Params, profile: machine_profile.Machi
             "kernel_source": kernel_source, "io_source": io_source}
 
 
+def _context(spec: model_shapes.ModelSpec, training: TrainingShape, dtype: torch.dtype,
+             device: torch.device, algorithm: str) -> dict[str, Any]:
+    """build_column's arguments for a training shape: activations are known only with the
+    model's dimensions."""
+    if spec.dims is not None:
+        activations = memory_plan.activation_bytes(spec.dims, training, dtype)
+        loss_transient = memory_plan.loss_transient_bytes(spec.dims, training, dtype)
+    else:
+        activations, loss_transient = None, 0
+    return dict(device=device, algorithm=algorithm, activations=activations,
+                loss_transient=loss_transient)
+
+
+def _recommend(params: Params, args: argparse.Namespace, context: dict[str, Any],
+               budget: dict[str, Optional[int]], on_gpu: bool
+               ) -> tuple[Optional[Column], list[tuple[Column, dict[str, int]]]]:
+    """The first candidate that fits (None: none does), and every one tried with what it
+    misses."""
+    tried = []
+    for label, settings in _candidates(params, args, context, budget, on_gpu):
+        column = _pagedoptim_column(label, params, settings, context)
+        missing = _fits(column, budget, on_gpu)
+        tried.append((column, missing))
+        if not missing:
+            return column, tried
+    return None, tried
+
+
+def _training_changes(training: TrainingShape) -> list[tuple[str, TrainingShape]]:
+    """Smaller training shapes, each change on top of the ones before: activation
+    checkpointing, a micro-batch of 1, half and a quarter of the sequence."""
+    changes, flags = [], []
+    shape = training
+    if not shape.activation_checkpointing:
+        shape = TrainingShape(shape.seq_len, shape.micro_batch, True)
+        flags.append("--activation-checkpointing")
+        changes.append((" ".join(flags), shape))
+    if shape.micro_batch > 1:
+        shape = TrainingShape(shape.seq_len, 1, shape.activation_checkpointing)
+        flags.append("--micro-batch 1")
+        changes.append((" ".join(flags), shape))
+    for _ in range(2):
+        if shape.seq_len < 256:
+            break
+        shape = TrainingShape(shape.seq_len // 2, shape.micro_batch, True)
+        changes.append((" ".join(flags + [f"--seq-len {shape.seq_len}"]), shape))
+    return changes
+
+
+def _what_would_fit(spec: model_shapes.ModelSpec, params: Params, args: argparse.Namespace,
+                    training: TrainingShape, dtype: torch.dtype, device: torch.device,
+                    budget: dict[str, Optional[int]], on_gpu: bool) -> Optional[dict[str, Any]]:
+    """Where nothing fits: the first smaller training shape under which a setting does."""
+    if spec.dims is None:  # activations unknown: a shape change cannot be judged
+        return None
+    for flags, shape in _training_changes(training):
+        context = _context(spec, shape, dtype, device, args.optimizer)
+        column, _ = _recommend(params, args, context, budget, on_gpu)
+        if column is not None:
+            return {"flags": flags, "settings": column.settings,
+                    "device_peak": column.device_peak}
+    return None
+
+
+def _mixed_precision_column(params: Params, algorithm: str, context: dict[str, Any]
+                            ) -> Optional[Column]:
+    """torch's optimizer as mixed-precision training runs it (torch.autocast): fp32 params
+    that are their own master copy, fp32 grads and moments, 16-bit compute. None for fp32
+    params, where the plain torch column is that already."""
+    if all(dtype == torch.float32 for _, _, dtype in params.trainable):
+        return None
+    fp32 = Params([(name, shape, torch.float32) for name, shape, _ in params.trainable],
+                  params.frozen_bytes)
+    state, transient = memory_plan.torch_state_bytes(fp32, algorithm)
+    return memory_plan.build_column(f"{_TORCH_NAMES[algorithm]} (autocast)", fp32, state=state,
+                                    step_transient=transient, **context)
+
+
 def build_plan(args: argparse.Namespace) -> dict[str, Any]:
     spec = _model_spec(args)
     on_gpu = args.gpu_memory is not None
@@ -222,35 +315,23 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
     method = Method(args.lora_rank, tuple(args.lora_modules.split(",")))
     training = TrainingShape(args.seq_len, args.micro_batch, args.activation_checkpointing)
     params = memory_plan.trainable_params(spec, method, dtype)
-    if spec.dims is not None:
-        activations = memory_plan.activation_bytes(spec.dims, training, dtype)
-        loss_transient = memory_plan.loss_transient_bytes(spec.dims, training, dtype)
-    else:
-        activations, loss_transient = None, 0
     nvme_free = args.nvme_free
     if nvme_free is None and args.nvme_dir:
         stats = os.statvfs(args.nvme_dir)
         nvme_free = stats.f_bavail * stats.f_frsize
     budget = {"gpu": args.gpu_memory, "host": args.host_memory, "nvme": nvme_free}
-    context = dict(device=device, algorithm=args.optimizer, activations=activations,
-                   loss_transient=loss_transient)
+    context = _context(spec, training, dtype, device, args.optimizer)
 
     torch_state, torch_transient = memory_plan.torch_state_bytes(params, args.optimizer)
-    columns = [
+    mixed = _mixed_precision_column(params, args.optimizer, context)
+    columns = ([mixed] if mixed is not None else []) + [
         memory_plan.build_column(_TORCH_NAMES[args.optimizer], params,
                                  state=torch_state, step_transient=torch_transient, **context),
         memory_plan.build_column(
             _PEER_NAME, params,
             state=memory_plan.blockwise_8bit_state_bytes(params, args.optimizer), **context),
     ]
-    recommendation, tried = None, []
-    for label, settings in _candidates(params, args, context, budget, on_gpu):
-        column = _pagedoptim_column(label, params, settings, context)
-        missing = _fits(column, budget, on_gpu)
-        tried.append((column, missing))
-        if not missing:
-            recommendation = column
-            break
+    recommendation, tried = _recommend(params, args, context, budget, on_gpu)
     base = _base_settings(args)
     columns.append(_pagedoptim_column("pagedoptim offload=None", params, base, context))
     # The paged columns show the recommended cache where paging is recommended, else the
@@ -264,6 +345,12 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         columns.append(_pagedoptim_column(
             f"pagedoptim offload={tier}", params,
             _with_cache({**base, "offload": tier}, shown_cache, on_gpu), context))
+    # The recommended settings as a column of their own where no column above has them
+    # (gradient release, say).
+    if recommendation is not None and all(column.settings != recommendation.settings
+                                          for column in columns):
+        recommendation.name = "recommended"
+        columns.append(recommendation)
     profile = machine_profile.load_profile(args.bench_file)
     for column in columns + [column for column, _ in tried]:
         column.estimates = estimate_step(column, params, profile, device)
@@ -280,15 +367,43 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         "training": {"seq_len": training.seq_len, "micro_batch": training.micro_batch,
                      "activation_checkpointing": training.activation_checkpointing},
         "budget": budget,
+        "headroom_bytes": headroom_bytes(budget["gpu"]),
         "activations_are_estimate": True,
         "columns": [column.as_dict() for column in columns],
         "recommendation": recommendation.as_dict() if recommendation else None,
+        "trainer_optim_args": (trainer_optim_args(args.optimizer, recommendation.settings)
+                               if recommendation else None),
         "missing": None if recommendation else {"settings": closest[0].settings,
                                                 "bytes": closest[1]},
+        "fits_with": None if recommendation else _what_would_fit(
+            spec, params, args, training, dtype, device, budget, on_gpu),
         "overheads": {"cuda_context": memory_plan.CUDA_OVERHEAD_BYTES if on_gpu else 0,
                       "host_process": memory_plan.HOST_OVERHEAD_BYTES},
         "bench_file": str(profile.path) if profile.path else None,
     }
+
+
+def _size_text(size: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size % scale == 0:
+            return f"{size // scale}{unit}"
+    return str(size)
+
+
+def trainer_optim_args(algorithm: str, settings: dict[str, Any]) -> dict[str, str]:
+    """The recommendation as HF Trainer takes it: optim and optim_args (docs/integrations)."""
+    def text(key: str, value: Any) -> str:
+        if value is None:
+            return "none"
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if key in ("cache_bytes", "page_bytes"):
+            return _size_text(int(value))
+        return str(value)
+
+    return {"optim": f"pagedoptim_{algorithm}",
+            "optim_args": ",".join(f"{key}={text(key, value)}"
+                                   for key, value in settings.items())}
 
 
 # --- printing -------------------------------------------------------------------------------
@@ -324,7 +439,9 @@ def print_plan(plan: dict[str, Any], out=None) -> None:
     budget = plan["budget"]
     print("have: " + ", ".join(f"{name} {human(value)}" for name, value in
                                 (("GPU", budget["gpu"]), ("host", budget["host"]),
-                                 ("NVMe free", budget["nvme"])) if value is not None), file=out)
+                                 ("NVMe free", budget["nvme"])) if value is not None)
+          + (f" (the plan keeps {human(plan['headroom_bytes'])} of the GPU free for the "
+             "allocator)" if gpu else ""), file=out)
     print(file=out)
     columns = plan["columns"]
     width = max(26, *(len(c["name"]) + 2 for c in columns))
@@ -344,7 +461,21 @@ def print_plan(plan: dict[str, Any], out=None) -> None:
     print(file=out)
     print("Activations are an estimate (a pre-norm decoder with SDPA attention); optimizer "
           "state is exact.", file=out)
+    torch_name = _TORCH_NAMES[plan["optimizer"]]
+    mixed = next((c for c in columns if c["name"] == f"{torch_name} (autocast)"), None)
+    if mixed is not None:
+        print(f"{torch_name} (autocast) is mixed-precision training as torch.autocast runs it: "
+              f"fp32 params (the master copy), fp32 grads and moments, {plan['dtype']} compute; "
+              f"{torch_name} keeps params, grads and moments in {plan['dtype']}, with no master "
+              "copy.", file=out)
     recommendation = plan["recommendation"]
+    if recommendation is not None and mixed is not None:
+        saving = 1 - recommendation["device_peak"] / mixed["device_peak"]
+        plain = next(c for c in columns if c["name"] == torch_name)
+        print(f"The recommendation needs {human(recommendation['device_peak'])} "
+              f"{'on the GPU' if gpu else 'in host memory'}: {saving:.0%} less than "
+              f"{torch_name} (autocast), {1 - recommendation['device_peak'] / plain['device_peak']:.0%} "
+              f"less than {torch_name} in {plan['dtype']}.", file=out)
     if recommendation is not None:
         e = recommendation["estimates"]
         cache = recommendation["settings"].get("cache_bytes")
@@ -360,13 +491,17 @@ def print_plan(plan: dict[str, Any], out=None) -> None:
         if recommendation["settings"].get("release_grads"):
             print("  release_grads=True: no gradient clipping or accumulation (the grads are "
                   "applied and freed inside backward)", file=out)
+        trainer = plan["trainer_optim_args"]
+        print(f"  HF Trainer: TrainingArguments(..., optim=\"{trainer['optim']}\", "
+              f"optim_args=\"{trainer['optim_args']}\")", file=out)
     else:
         missing = plan["missing"]
         shortfall = ", ".join(f"{name.replace('_', ' ')} short by {human(value)} "
                               f"({value:,} bytes)" for name, value in missing["bytes"].items())
         print(f"does not fit: even the most frugal settings ({_settings_text(missing['settings'])}"
               f") leave {shortfall}.", file=out)
-        weights = plan["columns"][0]["weights"]
+        weights = next(c for c in plan["columns"]
+                       if c["name"] == _TORCH_NAMES[plan["optimizer"]])["weights"]
         room = budget["gpu"] if gpu else budget["host"]
         if room is not None and weights > room:
             print(f"  The weights alone need {human(weights)} "
@@ -376,6 +511,12 @@ def print_plan(plan: dict[str, Any], out=None) -> None:
         if not plan["training"]["activation_checkpointing"]:
             options.append("activation checkpointing")
         options += ["a shorter sequence or micro-batch", "or more memory"]
+        fits_with = plan["fits_with"]
+        if fits_with is not None:
+            print(f"  It fits with {fits_with['flags']}: "
+                  f"po.{_CLASS_NAMES[plan['optimizer']]}(model.parameters(), "
+                  f"{_settings_text(fits_with['settings'])}), peak "
+                  f"{human(fits_with['device_peak'])}.", file=out)
         print(f"  Options: {', '.join(options)}.", file=out)
     if plan["bench_file"] is None:
         print("Bandwidths are stated defaults: run `python -m pagedoptim bench` to measure "

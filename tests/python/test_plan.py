@@ -29,6 +29,7 @@ transformers = pytest.importorskip("transformers")
 import pagedoptim as po  # noqa: E402
 from pagedoptim import machine_profile, memory_plan, model_shapes, paging, plan  # noqa: E402
 from pagedoptim.__main__ import main as pagedoptim_main  # noqa: E402
+from pagedoptim.integrations.optim_args import parse_optim_args  # noqa: E402
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 PEAK_CHILD = pathlib.Path(__file__).with_name("plan_peak_child.py")
@@ -275,6 +276,51 @@ def test_training_peak_is_within_ten_percent_of_the_plan(optimizer, column, chec
 # --- recommendations, estimates, bad input --------------------------------------------------
 
 
+def test_plan_compares_with_mixed_precision_torch_and_prints_the_trainer_form():
+    """A user planning a bf16 full fine-tune sees torch's AdamW as autocast runs it (fp32
+    master, grads and moments) beside bf16 torch, the saving against both, the recommended
+    settings as a column and as Trainer's optim_args, and a GPU never planned to its last
+    byte."""
+    args = ["--shapes", "w=4096x4096*8", "--dtype", "bf16", "--gpu-memory", "2GiB",
+            "--host-memory", "64GiB"]
+    record = json.loads(cli_plan(*args, "--json").stdout)
+    columns = {c["name"]: c for c in record["columns"]}
+    mixed, plain = columns["torch.optim.AdamW (autocast)"], columns["torch.optim.AdamW"]
+    elements = 8 * 4096 * 4096
+    assert mixed["weights"] == mixed["grads"] == 4 * elements
+    assert mixed["optimizer_state"] == 8 * elements + 4 * 8
+    assert plain["optimizer_state"] == 4 * elements + 4 * 8
+    recommendation = record["recommendation"]
+    assert record["headroom_bytes"] == max(256 << 20, int(0.03 * (2 << 30)))
+    assert recommendation["device_peak"] <= (2 << 30) - record["headroom_bytes"]
+    assert any(c["settings"] == recommendation["settings"] for c in record["columns"])
+    trainer = record["trainer_optim_args"]
+    assert trainer["optim"] == "pagedoptim_adamw"
+    assert parse_optim_args(trainer["optim_args"], po.AdamW) == recommendation["settings"]
+    text = cli_plan(*args).stdout
+    assert "fp32 params (the master copy), fp32 grads and moments" in text
+    saving = 1 - recommendation["device_peak"] / mixed["device_peak"]
+    assert f"{saving:.0%} less than torch.optim.AdamW (autocast)" in text
+    assert f'optim="pagedoptim_adamw", optim_args="{trainer["optim_args"]}"' in text
+
+
+def test_when_nothing_fits_plan_says_which_smaller_training_shape_would(llama_config):
+    """The README's 8B-style request without activation checkpointing: plan names the flag
+    that makes it fit, and the settings then."""
+    args = ["--model", str(llama_config), "--seq-len", "8192", "--micro-batch", "16"]
+    probe = json.loads(cli_plan(*args, "--json", "--gpu-memory", "80GiB").stdout)
+    unpaged = {c["name"]: c for c in probe["columns"]}["pagedoptim offload=None"]
+    # Room for everything but half of these activations.
+    gpu = unpaged["device_peak"] - unpaged["activations"] // 2
+    result = cli_plan(*args, "--json", "--gpu-memory", str(gpu), "--host-memory", "64GiB")
+    assert result.returncode == 1
+    fits_with = json.loads(result.stdout)["fits_with"]
+    assert fits_with["flags"].startswith("--activation-checkpointing")
+    assert fits_with["device_peak"] <= gpu
+    text = cli_plan(*args, "--gpu-memory", str(gpu), "--host-memory", "64GiB").stdout
+    assert f"It fits with {fits_with['flags']}: po.AdamW(model.parameters()," in text
+
+
 def test_an_impossible_request_says_what_is_missing_in_bytes():
     result = cli_plan("--params", "70B", "--gpu-memory", "8GB", "--host-memory", "16GB")
     assert result.returncode == 1, result.stderr
@@ -294,13 +340,16 @@ def test_paging_is_recommended_when_the_state_does_not_fit():
     unpaged = {c["name"]: c for c in probe["columns"]}["pagedoptim offload=None"]
     assert probe["recommendation"]["settings"].get("offload") is None
     state = unpaged["optimizer_state"] + unpaged["master_residual"]
-    gpu = unpaged["device_peak"] - state + (128 << 20)
+    # The 128 MiB, and the 256 MiB the plan keeps free for the allocator on a GPU this small.
+    gpu = unpaged["device_peak"] - state + (128 << 20) + (256 << 20)
     result = cli_plan(*args, "--gpu-memory", str(gpu), "--host-memory", "64GiB")
     assert result.returncode == 0, result.stderr
-    recommendation = json.loads(result.stdout)["recommendation"]
+    record = json.loads(result.stdout)
+    recommendation = record["recommendation"]
+    assert record["headroom_bytes"] == 256 << 20
     assert recommendation["settings"]["offload"] == "host"
     assert recommendation["settings"].get("release_grads") is None
-    assert recommendation["device_peak"] <= gpu
+    assert recommendation["device_peak"] <= gpu - record["headroom_bytes"]
     assert recommendation["pinned_host"] >= state - (4 << 10) * 8
     # Without the host memory for the pinned pages, the page file it is.
     result = cli_plan(*args, "--gpu-memory", str(gpu), "--host-memory", "2200MiB",
