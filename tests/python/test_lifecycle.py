@@ -238,17 +238,23 @@ def test_device_cached_optimizers_give_back_every_device_resource(offload, tmp_p
             opt.step()
         return held
 
+    # What earlier tests in this process still hold stays out of the count: a release_grads
+    # optimizer lives on through its params' hooks (issue 43), and the GPU test modules run
+    # on this same simulated device.
+    gc.collect()
+    before = usage()
     with paging.simulated_device():
         held = cycle()
         baseline = usage()
         for _ in range(DEVICE_LEAK_CYCLES):
             cycle()
         assert usage() == baseline
-    assert held["device_bytes"] > 0 and held["device_allocations"] > 0
-    assert held["streams"] > baseline["streams"] and held["events"] > 0
-    assert held["pinned_host_bytes"] > 0
-    assert baseline == {"device_bytes": 0, "pinned_host_bytes": 0, "device_allocations": 0,
-                        "pinned_host_allocations": 0, "streams": 1, "events": 0}
+    assert held["device_bytes"] > before["device_bytes"]
+    assert held["device_allocations"] > before["device_allocations"]
+    assert held["streams"] > baseline["streams"] and held["events"] > before["events"]
+    assert held["pinned_host_bytes"] > before["pinned_host_bytes"]
+    # Nothing but the device's own compute stream, which the first cycle creates.
+    assert baseline == {**before, "streams": max(before["streams"], 1)}
 
 
 # -- checks at construction --------------------------------------------------------------------
