@@ -77,15 +77,21 @@ class PagingOptions:
             raise ValueError(f"Invalid prefetch: {self.prefetch!r} (expected an int >= 0)")
         if self.policy not in _POLICIES:
             raise ValueError(f"Invalid policy: {self.policy!r} (expected one of {_POLICIES})")
-        # nvme_dir or cache_bytes alone imply paging (see pagedoptim.paging); prefetch and
-        # policy alone have nothing to act on.
-        paged = (self.offload is not None or self.nvme_dir is not None
-                 or self.cache_bytes is not None)
+        # nvme_dir alone implies the page file (it says where pages go); a cache size alone
+        # does not say where the pages beyond it go, and guessing the disk surprised users.
+        # prefetch and policy alone have nothing to act on.
+        paged = self.offload is not None or self.nvme_dir is not None
+        if not paged and self.cache_bytes is not None:
+            raise ValueError(f"cache_bytes={self.cache_bytes!r} sizes the page cache of paged "
+                             "state, but nothing says where the pages beyond it go: set "
+                             "offload='host' (pinned host memory, for params on a GPU) or "
+                             "offload='nvme' (a page file; nvme_dir= names its directory) as "
+                             "well")
         if not paged and self.prefetch != 4:
             raise ValueError(f"prefetch={self.prefetch!r} applies only to paged state: set "
-                             "offload='host' or 'nvme' (or cache_bytes) as well")
+                             "offload='host' or 'nvme' as well")
         if not paged and self.policy != "auto":
             raise ValueError(f"policy={self.policy!r} applies only to paged state: set "
-                             "offload='host' or 'nvme' (or cache_bytes) as well")
+                             "offload='host' or 'nvme' as well")
         if not isinstance(self.release_grads, bool):
             raise TypeError(f"release_grads must be a bool, got {type(self.release_grads).__name__}")

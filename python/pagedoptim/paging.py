@@ -4,9 +4,9 @@
 (None: every page stays in memory). What a keyword implies when `offload` is not given:
 
 * `nvme_dir=...` alone means `offload="nvme"`: it says where the page file goes.
-* `cache_bytes=...` alone means "keep at most this much state on the compute device and the
-  rest on the next tier down": `offload="host"` for parameters on a GPU, `offload="nvme"`
-  for parameters on the CPU (there the cache already is host memory).
+* `cache_bytes=...` alone is an error naming `offload`: it says how much stays resident,
+  not where the rest goes (once it meant the page file for CPU params, silently, under
+  $TMPDIR).
 * `offload` without `cache_bytes` keeps DEFAULT_CACHE_BYTES of pages resident.
 * `prefetch` and `policy` only act on paged state; setting them without paging is an error.
 
@@ -56,13 +56,12 @@ PageCorruptionError = _native_exception("PageCorruptionError", RuntimeError)
 
 
 def resolve_offload(options: PagingOptions, device: Optional[torch.device]) -> Optional[str]:
-    """The tier cold pages go to, after the implications described in the module doc."""
+    """The tier cold pages go to, after the implications described in the module doc (the
+    same on every device: `device` is kept for the callers that judge a device's tier)."""
     if options.offload is not None:
         return options.offload
     if options.nvme_dir is not None:
         return "nvme"
-    if options.cache_bytes is not None:
-        return "host" if device is not None and device.type == "cuda" else "nvme"
     return None
 
 

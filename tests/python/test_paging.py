@@ -294,10 +294,18 @@ def test_load_state_dict_replaces_the_page_file(tmp_path):
 
 # --- the keyword arguments ----------------------------------------------------------------
 
+def test_a_cache_size_without_a_tier_is_an_error_naming_offload(monkeypatch):
+    """cache_bytes alone once paged CPU state to a file under $TMPDIR without a word."""
+    with pytest.raises(ValueError, match=r"cache_bytes=1048576 .* set offload='host' .* or "
+                                         r"offload='nvme'"):
+        po.AdamW([torch.randn(3, requires_grad=True)], cache_bytes="1MiB")
+    monkeypatch.setenv("PAGEDOPTIM_CACHE_BYTES", "1MiB")
+    with pytest.raises(env_settings.EnvironmentSettingError,
+                       match=r"PAGEDOPTIM_CACHE_BYTES.*set offload="):
+        po.patch()
+
+
 def test_implied_offload(tmp_path):
-    options = po.AdamW([torch.randn(3, requires_grad=True)], cache_bytes=1 << 20)._options
-    assert paging.resolve_offload(options, torch.device("cpu")) == "nvme"
-    assert paging.resolve_offload(options, torch.device("cuda")) == "host"
     options = po.AdamW([torch.randn(3, requires_grad=True)], nvme_dir=tmp_path)._options
     assert paging.resolve_offload(options, torch.device("cpu")) == "nvme"
     store = paging.store_options(options, torch.device("cpu"))
@@ -397,7 +405,7 @@ def test_an_unwritable_nvme_dir_is_reported_at_construction(tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("kw", [
-    dict(offload="host"), dict(offload="nvme"), dict(cache_bytes=4096), dict(offload="host",
+    dict(offload="host"), dict(offload="nvme"), dict(nvme_dir="/tmp"), dict(offload="host",
     cache_bytes=4096, prefetch=0, policy="lru"), dict(offload="nvme", policy="plan", prefetch=9)])
 def test_paging_arguments_are_accepted(kw):
     p = torch.randn(100, requires_grad=True)

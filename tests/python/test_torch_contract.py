@@ -499,7 +499,8 @@ def test_paged_state_chooses_pages_that_fit_the_cache():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(offload="host", cache_bytes=100), "cache_bytes=100 must hold at least one page"),
-    (dict(cache_bytes=8192, page_bytes=16384), "cache_bytes=8192 must hold at least one page"),
+    (dict(offload="nvme", cache_bytes=8192, page_bytes=16384),
+     "cache_bytes=8192 must hold at least one page"),
 ])
 def test_a_cache_below_one_page_raises(kwargs, match):
     with pytest.raises(ValueError, match=match):
