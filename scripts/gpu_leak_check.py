@@ -78,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     device = "cpu" if args.simulated else "cuda"
     nvme_dir = tempfile.mkdtemp(prefix="pagedoptim-leaks-")
-    # The simulated device keeps device state only under a cache: one that holds it all.
-    resident = dict(offload="host", cache_bytes=1 << 30) if args.simulated else {}
+    resident = paging.resident_on_simulated_device() if args.simulated else {}
     configs = {
         "device": resident,
         "offload_host": dict(offload="host", cache_bytes=4 * PAGE, page_bytes=PAGE),

@@ -44,8 +44,8 @@ from torch import nn
 SHAPES = [(), (31,), (33,), (1000,), (64, 65)]
 PAGE_BYTES = 4096
 DEVICE = "cuda"  # "cpu" with --simulated
-# What an optimizer over DEVICE params adds to its arguments: with --simulated, a cache that
-# holds all of its state on the simulated device (the analogue of CUDA's resident state).
+# What an optimizer over DEVICE params adds to its arguments: with --simulated,
+# pagedoptim.paging.resident_on_simulated_device() (the analogue of CUDA's resident state).
 ON_DEVICE: dict = {}
 
 ALGORITHMS = {
@@ -278,7 +278,7 @@ def main() -> int:
         global DEVICE, ON_DEVICE
         from pagedoptim import paging
 
-        DEVICE, ON_DEVICE = "cpu", dict(offload="host", cache_bytes=1 << 30)
+        DEVICE, ON_DEVICE = "cpu", paging.resident_on_simulated_device()
         with paging.simulated_device():
             return run_cases(selected)
     if not torch.cuda.is_available():

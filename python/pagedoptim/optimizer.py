@@ -101,7 +101,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         # Meta params (`python -m pagedoptim plan` sizes a 70B model's state with them) never
         # get a page file.
         if device is None or device.type == "meta" \
-                or paging.resolve_offload(self._options, device) != "nvme":
+                or paging.resolve_offload(self._options) != "nvme":
             return
         plan = state_plan.plan_state(self, device)
         paging.check_page_file_fits(self._options, plan.num_pages * plan.page_bytes)
@@ -243,7 +243,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         device = self._engine_device()
         if device is None:
             return False
-        store = paging.store_options(self._options, device)
+        store = paging.store_options(self._options)
         return paging.engine_device(store, device) != "cpu"
 
     def _engine_device(self) -> Optional[torch.device]:
@@ -552,7 +552,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                                      f"{_ONE_OPTIMIZER_PER_DEVICE}")
             self._kinds = self._stream_kinds()
             native_kinds = [[spec.as_native() for spec in kind] for kind in self._kinds]
-            store = paging.store_options(self._options, self._device)
+            store = paging.store_options(self._options)
             device = paging.engine_device(store, self._device)
             self._page_bytes = paging.choose_page_bytes(self._options, store, self._kinds,
                                                         self._planned_state())
@@ -1108,7 +1108,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         errors, the io backend and why it fell back, the O_DIRECT status. offload is None
         when the state is not paged; everything counts zero before the first step."""
         if self._engine is None:
-            return paging.stats_before_first_step(self._options, self._engine_device())
+            return paging.stats_before_first_step(self._options)
         return self._engine.paging_stats()
 
 

@@ -55,9 +55,9 @@ PageIOError = _native_exception("PageIOError", OSError)
 PageCorruptionError = _native_exception("PageCorruptionError", RuntimeError)
 
 
-def resolve_offload(options: PagingOptions, device: Optional[torch.device]) -> Optional[str]:
+def resolve_offload(options: PagingOptions) -> Optional[str]:
     """The tier cold pages go to, after the implications described in the module doc (the
-    same on every device: `device` is kept for the callers that judge a device's tier)."""
+    same on every device)."""
     if options.offload is not None:
         return options.offload
     if options.nvme_dir is not None:
@@ -97,6 +97,14 @@ def simulated_device() -> Iterator[None]:
         _simulated = saved
 
 
+def resident_on_simulated_device() -> dict[str, Any]:
+    """Optimizer keyword arguments that keep CPU params' whole state on the simulated device
+    (tests): it holds device state only under a page cache, and one of 1 TiB stands for
+    CUDA's device-resident state (slots are allocated as pages are first used, so the size
+    costs nothing)."""
+    return {"offload": "host", "cache_bytes": 1 << 40}
+
+
 def engine_device(store: Optional[dict], device: Optional[torch.device]) -> str:
     """The native engine's device string: "cuda:N" for CUDA params, "simulated" for paged
     CPU params inside `simulated_device()`, else "cpu"."""
@@ -107,8 +115,8 @@ def engine_device(store: Optional[dict], device: Optional[torch.device]) -> str:
     return "cpu"
 
 
-def store_options(options: PagingOptions, device: Optional[torch.device]) -> Optional[dict]:
-    offload = resolve_offload(options, device)
+def store_options(options: PagingOptions) -> Optional[dict]:
+    offload = resolve_offload(options)
     if offload is None:
         return None
     store: dict[str, Any] = {
@@ -199,7 +207,7 @@ def check_before_first_step(options: PagingOptions, device: Optional[torch.devic
     one page, the page file's directory (it must exist and be writable), and on a GPU a
     cache that fits in the device's free memory."""
     _check_cache_holds_a_page(options)
-    offload = resolve_offload(options, device)
+    offload = resolve_offload(options)
     if offload == "nvme":
         directory, label = _page_file_dir(options)
         if not os.path.isdir(directory):
@@ -218,12 +226,11 @@ def check_before_first_step(options: PagingOptions, device: Optional[torch.devic
                          f"{'pinned host memory' if offload == 'host' else 'the page file'})")
 
 
-def stats_before_first_step(options: PagingOptions, device: Optional[torch.device]
-                            ) -> dict[str, Any]:
+def stats_before_first_step(options: PagingOptions) -> dict[str, Any]:
     """paging_stats() of an optimizer whose state does not exist yet: every key the engine
     reports, the settings where they are known already, every count zero. page_bytes and
     the page counts are chosen with the state (None until then)."""
-    store = store_options(options, device)
+    store = store_options(options)
     paged = store is not None
     return {
         "policy": options.policy if paged else None,
@@ -233,7 +240,7 @@ def stats_before_first_step(options: PagingOptions, device: Optional[torch.devic
         "resident_bytes": 0, "resident_pages": 0, "peak_resident_pages": 0,
         "over_budget_pages": 0, "pin_limit": None,
         "hits": 0, "misses": 0, "hit_rate": 0.0, "prefetch_hits": 0, "evictions": 0,
-        "pending_error": None, "offload": resolve_offload(options, device), "zero_fills": 0,
+        "pending_error": None, "offload": resolve_offload(options), "zero_fills": 0,
         "reads": 0, "writes": 0, "bytes_read": {}, "bytes_written": {}, "stall_seconds": 0.0,
         "read_retries": 0, "read_errors": 0, "checksum_errors": 0, "write_errors": 0,
         "io_backend": None, "io_fallback_reason": "", "direct_io": None,

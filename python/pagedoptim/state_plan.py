@@ -78,7 +78,7 @@ def plan_state(optimizer: Any, device: torch.device | str) -> StatePlan:
     options = optimizer._options
     kinds = optimizer._stream_kinds()
     planned = optimizer._planned_state()  # (kind, elements) per distinct param
-    store = paging.store_options(options, device)
+    store = paging.store_options(options)
     page_bytes = paging.choose_page_bytes(options, store, kinds, planned)
     native_kinds = [[spec.as_native() for spec in kind] for kind in kinds]
     num_pages = int(native.count_pages(native_kinds, page_bytes,

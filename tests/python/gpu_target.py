@@ -28,12 +28,6 @@ import torch
 from conftest import cuda_skip_reason
 from pagedoptim import paging
 
-# The simulated device keeps device state only under a page cache: a cache this large holds
-# all of any test's state, as CUDA's device-resident state would (slots are allocated as
-# pages are first used, so the size costs nothing).
-RESIDENT_CACHE_BYTES = 1 << 40
-
-
 @dataclass(frozen=True)
 class GpuTarget:
     device: torch.device
@@ -41,7 +35,7 @@ class GpuTarget:
     # Why the GPU itself is not used (None on the GPU).
     reason: Optional[str] = None
     # What an optimizer over device params adds to its arguments: on the simulated device,
-    # paging to pinned host memory behind a cache that holds everything.
+    # paging.resident_on_simulated_device().
     state_kwargs: dict = field(default_factory=dict)
 
     @property
@@ -71,7 +65,7 @@ def _pick() -> GpuTarget:
         return GpuTarget(torch.device("cuda", 0), simulated=False)
     return GpuTarget(torch.device("cpu"), simulated=True,
                      reason=reason or "PAGEDOPTIM_GPU_TARGET=simulated",
-                     state_kwargs={"offload": "host", "cache_bytes": RESIDENT_CACHE_BYTES})
+                     state_kwargs=paging.resident_on_simulated_device())
 
 
 TARGET = _pick()

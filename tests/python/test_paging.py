@@ -307,12 +307,12 @@ def test_a_cache_size_without_a_tier_is_an_error_naming_offload(monkeypatch):
 
 def test_implied_offload(tmp_path):
     options = po.AdamW([torch.randn(3, requires_grad=True)], nvme_dir=tmp_path)._options
-    assert paging.resolve_offload(options, torch.device("cpu")) == "nvme"
-    store = paging.store_options(options, torch.device("cpu"))
+    assert paging.resolve_offload(options) == "nvme"
+    store = paging.store_options(options)
     assert store["cache_bytes"] == paging.DEFAULT_CACHE_BYTES
     assert store["nvme_dir"] == str(tmp_path)
     options = po.AdamW([torch.randn(3, requires_grad=True)])._options
-    assert paging.store_options(options, torch.device("cpu")) is None
+    assert paging.store_options(options) is None
 
 
 @pytest.mark.parametrize("written,expected", [("1GiB", 1 << 30), ("1GB", 10**9),
