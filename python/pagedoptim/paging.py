@@ -40,6 +40,9 @@ _STREAM_ALIGNMENT = 64
 # A paged cache holds at least this many pages of a chosen size: a batch being stepped and
 # the next ones coming in.
 MIN_CACHE_PAGES = 8
+# What choose_page_bytes counts a page as costing besides its bytes (its I/O request, its
+# kernel table row, its cache entry): many small pages must save more than this each.
+PAGE_OVERHEAD_CHARGE = 4096
 
 _overrides: dict[str, Any] = {}
 
@@ -150,10 +153,13 @@ def _page_layout_bytes(streams: list[Any], groups: int) -> int:
 
 def choose_page_bytes(options: PagingOptions, store: Optional[dict], kinds: list[list[Any]],
                       planned: list[tuple[int, int]]) -> int:
-    """The page size: page_bytes when given; otherwise the smallest 4 KiB multiple that holds
-    the largest kind's whole state, at most DEFAULT_PAGE_BYTES, and for paged state at most
-    1/MIN_CACHE_PAGES of the cache. So a LoRA adapter's 3,584 params take one 8 KiB page,
-    not 2 MiB, and an optimizer per param costs each param its payload plus < 4 KiB.
+    """The page size: page_bytes when given; otherwise the 4 KiB multiple, at most
+    DEFAULT_PAGE_BYTES and for paged state at most 1/MIN_CACHE_PAGES of the cache, that lays
+    the state out in the fewest bytes, each page charged PAGE_OVERHEAD_CHARGE besides its
+    size. The candidates are the sizes that hold one kind's whole state: one kind (AdamW)
+    gets one page of its size, so a LoRA adapter's 3,584 params take one 8 KiB page, not
+    2 MiB; several kinds of unequal size (SkewAdam's tiers) share a page size that fits the
+    small ones, instead of each small kind filling a page sized for the largest.
 
     kinds: the stream specs of each page kind; planned: (kind, elements) per param."""
     if options.page_bytes is not None:
@@ -161,13 +167,22 @@ def choose_page_bytes(options: PagingOptions, store: Optional[dict], kinds: list
     groups = [0] * len(kinds)
     for kind, numel in planned:
         groups[kind] += -(-numel // GROUP_SIZE)
-    needed = max((_page_layout_bytes(kinds[k], groups[k]) for k in range(len(kinds))
-                  if kinds[k] and groups[k]), default=0)
-    page = min(DEFAULT_PAGE_BYTES, _round_up(max(needed, 1), PAGE_ALIGNMENT))
+    largest = DEFAULT_PAGE_BYTES
     if store is not None:
         per_page = store["cache_bytes"] // MIN_CACHE_PAGES
-        page = min(page, max(PAGE_ALIGNMENT, per_page // PAGE_ALIGNMENT * PAGE_ALIGNMENT))
-    return page
+        largest = min(largest, max(PAGE_ALIGNMENT, per_page // PAGE_ALIGNMENT * PAGE_ALIGNMENT))
+    candidates = {min(largest, _round_up(max(_page_layout_bytes(kinds[k], groups[k]), 1),
+                                         PAGE_ALIGNMENT))
+                  for k in range(len(kinds)) if kinds[k] and groups[k]}
+    if len(candidates) <= 1:
+        return candidates.pop() if candidates else PAGE_ALIGNMENT
+    native_kinds = [[spec.as_native() for spec in kind] for kind in kinds]
+    params = [(numel, kind) for kind, numel in planned]
+
+    def cost(page: int) -> tuple[int, int]:
+        pages = int(native.count_pages(native_kinds, page, params))
+        return pages * (page + PAGE_OVERHEAD_CHARGE), -page  # ties: the larger page
+    return min(candidates, key=cost)
 
 
 def _check_cache_holds_a_page(options: PagingOptions) -> None:

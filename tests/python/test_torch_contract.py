@@ -588,24 +588,76 @@ def test_a_copy_read_before_a_load_is_stale_after_it():
         ours.step()
 
 
+def _stepped_report(params, **kwargs):
+    opt = po.AdamW(params, **kwargs)
+    set_grads(params, 0)
+    opt.step()
+    return opt.memory_report()
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(), dict(amsgrad=True), dict(weight_decay=0.0)])
 @pytest.mark.parametrize("state_bits", [8, 32])
 def test_pages_chosen_for_the_state_hold_all_of_it(kwargs, state_bits):
     """choose_page_bytes lays pages out as the native geometry does (stream alignment
-    included): a state under 2 MiB fits one page of each kind, exactly."""
+    included): a state of one kind under 2 MiB fits one page, exactly; a state of two kinds
+    (fp32 params, bf16 params with a residual) costs no more pages and bytes than one page
+    per kind sized for the larger would."""
     gen = torch.Generator().manual_seed(state_bits)
+    charge = po.paging.PAGE_OVERHEAD_CHARGE
     for trial in range(5):
         shapes = [tuple(int(d) for d in torch.randint(1, 300, (int(torch.randint(1, 3, (1,),
-                  generator=gen)),), generator=gen)) for _ in range(int(torch.randint(1, 9, (1,),
+                  generator=gen)),), generator=gen)) for _ in range(int(torch.randint(2, 9, (1,),
                   generator=gen)))]
         params = [nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s, dtype in
                   zip(shapes, [torch.float32, torch.bfloat16] * 5)]
-        opt = po.AdamW(params, state_bits=state_bits, **kwargs)
-        set_grads(params, trial)
+        one_kind = [_stepped_report([p.detach().clone().requires_grad_() for p in params
+                                     if p.dtype == dtype], state_bits=state_bits, **kwargs)
+                    for dtype in (torch.float32, torch.bfloat16)]
+        assert [r["num_pages"] for r in one_kind] == [1, 1], shapes
+        both = _stepped_report(params, state_bits=state_bits, **kwargs)
+        one_page_each = 2 * (max(r["page_bytes"] for r in one_kind) + charge)
+        assert both["num_pages"] * (both["page_bytes"] + charge) <= one_page_each, shapes
+        assert both["page_slack_bytes"] < both["num_pages"] * both["page_bytes"]
+
+
+def test_small_tiers_of_skewadam_share_a_page_size_that_fits_them():
+    """A tiny MoE model (as examples/moe_skewadam.py builds): the router's and the experts'
+    factored state is a fraction of the backbone's. One page per page kind sized for the
+    largest (the rule before) left 59% of these pages as slack; the chosen size, 24% in 54%
+    of the bytes, and
+    at most the pages and bytes of any smaller size."""
+    backbone = [torch.randn(256, 64)] + [torch.randn(128, 64) for _ in range(4)]
+    tiers = [("backbone", backbone), ("experts", [torch.randn(8, 128, 64)]),
+             ("router", [torch.randn(8, 64)])]
+
+    def stepped(**kwargs):
+        opt = po.SkewAdam([{"params": [nn.Parameter(t.clone()) for t in tensors], "tier": tier}
+                           for tier, tensors in tiers], **kwargs)
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad = torch.ones_like(p)
         opt.step()
-        kinds = {p.dtype for p in params}  # fp32 and bf16 (with a residual): one kind each
-        assert opt.memory_report()["num_pages"] == len(kinds), shapes
+        report = opt.memory_report()
+        kinds = opt._stream_kinds()
+        return report, len({kind for kind, _ in opt._planned_state() if kinds[kind]})
+
+    charge = po.paging.PAGE_OVERHEAD_CHARGE
+    chosen, kinds_in_use = stepped()
+    cost = chosen["num_pages"] * (chosen["page_bytes"] + charge)
+    one_page_per_kind = None
+    for page in range(4096, 1 << 20, 4096):
+        report, _ = stepped(page_bytes=page)
+        if page < chosen["page_bytes"]:
+            assert report["num_pages"] * (page + charge) >= cost, page
+        if report["num_pages"] <= kinds_in_use:
+            one_page_per_kind = report
+            break
+    assert (chosen["num_pages"] * chosen["page_bytes"]
+            < 0.6 * one_page_per_kind["num_pages"] * one_page_per_kind["page_bytes"])
+    assert chosen["page_slack_bytes"] < 0.3 * chosen["num_pages"] * chosen["page_bytes"]
+    assert one_page_per_kind["page_slack_bytes"] > 0.5 * (one_page_per_kind["num_pages"]
+                                                          * one_page_per_kind["page_bytes"])
 
 
 @pytest.mark.parametrize("numel,dtype,master_bits", [
