@@ -10,6 +10,10 @@ from pagedoptim.patch import patch, unpatch
 from pagedoptim.sgd import SGD
 from pagedoptim.skewadam import SkewAdam
 from pagedoptim.wrap import wrap
+from pagedoptim import torch_optimizer_guard
+
+# torch.optim optimizers given our compressed state raise at their step, naming `convert`.
+torch_optimizer_guard.install()
 
 __all__ = ["AdamW", "CheckpointError", "InterruptedStepError", "Lion", "PageCorruptionError",
            "PageIOError", "PagedOptimizer", "SGD", "SkewAdam", "patch", "unpatch", "wrap"]

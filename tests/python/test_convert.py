@@ -140,6 +140,29 @@ def test_8bit_checkpoint_steps_in_torch_as_ours_does_in_exact_mode(case):
 
 
 @pytest.mark.parametrize("case", TORCH_CASES)
+@pytest.mark.parametrize("state", ["8-bit", "bf16 residuals"])
+def test_torch_optimizer_given_our_state_refuses_to_step_and_names_convert(case, state):
+    """Without the guard torch's AdamW stops with KeyError: 'exp_avg', and torch's SGD
+    trains on with a fresh momentum beside our codes. The step is refused before any param
+    moves; the converted state steps."""
+    dtype = torch.float32 if state == "8-bit" else torch.bfloat16
+    kwargs = {} if state == "8-bit" else dict(state_bits=32, master_bits=24)
+    params, opt = trained(case, dtype=dtype, **kwargs)
+    torch_params = clone_params(params)
+    theirs = CASES[case][2](torch_params)
+    theirs.load_state_dict(copy.deepcopy(opt.state_dict()))
+    set_grads(torch_params, Grads([p.shape for p in params], 1, seed=3)[0])
+    before = [p.detach().clone() for p in torch_params]
+    with pytest.raises(ValueError, match=r"PagedOptim's compressed state .*pagedoptim convert"):
+        theirs.step()
+    assert all(torch.equal(a, b) for a, b in zip(torch_params, before))
+    converted = CASES[case][2](torch_params)
+    converted.load_state_dict(opt.torch_state_dict())
+    converted.step()
+    assert not all(torch.equal(a, b) for a, b in zip(torch_params, before))
+
+
+@pytest.mark.parametrize("case", TORCH_CASES)
 def test_torch_checkpoint_to_8bit_loads_into_ours_and_steps(case):
     """A torch checkpoint converted to 8 bits is the state ours would make of it on load,
     and training goes on from it exactly as from the torch checkpoint itself."""
