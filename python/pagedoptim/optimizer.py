@@ -23,7 +23,7 @@ import torch
 
 from pagedoptim import (checkpoint_stream, compiled_step, interrupted_step, paging, release_guard,
                         sharded_params, state_dict_checks, state_format, state_plan,
-                        torch_flags)
+                        torch_flags, trainer_route_check)
 from pagedoptim._native import native
 from pagedoptim.checkpoint_algorithms import check_algorithm
 from pagedoptim.lifecycle import ClosedState, open_only
@@ -96,6 +96,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._check_page_file_fits(self._device)
         if options.release_grads:
             release_guard.watch(self)
+        trainer_route_check.warn_if_trainer_learning_rate_unused(self)
 
     def _check_page_file_fits(self, device: Optional[torch.device]) -> None:
         # Meta params (`python -m pagedoptim plan` sizes a 70B model's state with them) never

@@ -297,6 +297,31 @@ def test_skewadam_without_names_says_how_to_name_tiers(tmp_path):
         optimizer_cls_and_kwargs_from("pagedoptim_skewadam")
 
 
+def test_route_2_without_lr_warns_that_trainer_learning_rate_is_unused(tmp_path, recwarn):
+    """Trainer passes optimizer_cls_and_kwargs' kwargs alone: without 'lr' our default of 1e-3
+    trains, not TrainingArguments.learning_rate. Said once, at construction; never where the
+    lrs agree or where we built nothing through Trainer."""
+    args = training_args(tmp_path)
+    trainer = transformers.Trainer(model=tiny_llama(), args=args, train_dataset=byte_dataset(),
+                                   optimizer_cls_and_kwargs=(po.AdamW, {"offload": None}))
+    with pytest.warns(UserWarning, match=r"built po.AdamW with lr=0.001, but TrainingArguments"
+                                         r".learning_rate is 0.003: .*'lr': args.learning_rate"):
+        trainer.create_optimizer()
+    assert unwrap_optimizer(trainer.optimizer).param_groups[0]["lr"] == 1e-3  # as warned
+
+    recwarn.clear()
+    for kwargs in [dict(optimizer_cls_and_kwargs=(po.AdamW, {"lr": LR})),
+                   dict(optimizer_cls_and_kwargs=optimizer_cls_and_kwargs_from(
+                       "pagedoptim_adamw", args=args))]:
+        transformers.Trainer(model=tiny_llama(), args=args, train_dataset=byte_dataset(),
+                             **kwargs).create_optimizer()
+    by_name = training_args(tmp_path, PagedOptimTrainingArguments, optim="pagedoptim_adamw")
+    PagedOptimTrainer(model=tiny_llama(), args=by_name,
+                      train_dataset=byte_dataset()).create_optimizer()
+    po.AdamW(tiny_llama().parameters())  # not built by Trainer: nothing to compare with
+    assert not [w for w in recwarn if "learning_rate" in str(w.message)]
+
+
 # -- release_grads --------------------------------------------------------------------------
 
 def test_release_grads_is_refused_where_trainer_clips_or_accumulates(tmp_path):
@@ -314,7 +339,7 @@ def test_release_grads_is_refused_where_trainer_clips_or_accumulates(tmp_path):
     # Whichever route built the optimizer, PagedOptimTrainer checks it.
     trainer = PagedOptimTrainer(model=tiny_llama(), args=training_args(tmp_path),
                                 train_dataset=byte_dataset(),
-                                optimizer_cls_and_kwargs=(po.AdamW, {"release_grads": True}))
+                                optimizer_cls_and_kwargs=(po.AdamW, {"lr": LR, "release_grads": True}))
     with pytest.raises(ValueError, match="max_grad_norm=1.0"):
         trainer.train()
 
@@ -343,7 +368,7 @@ def test_trainer_release_grads_with_clipping_raises(tmp_path):
     accelerate's clip_grad_norm_, which Trainer calls, refuses it (issue 10, point 8)."""
     trainer = transformers.Trainer(model=tiny_llama(), args=training_args(tmp_path),
                                    train_dataset=byte_dataset(),
-                                   optimizer_cls_and_kwargs=(po.AdamW, {"release_grads": True}))
+                                   optimizer_cls_and_kwargs=(po.AdamW, {"lr": LR, "release_grads": True}))
     with pytest.raises((RuntimeError, ValueError), match="(?i)clip"):
         trainer.train()
 
