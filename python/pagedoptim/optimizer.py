@@ -561,6 +561,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                                              store=store, device=device)
             if store is not None:
                 paging.warn_about_fallbacks(self._engine)
+                paging.warn_about_host_offload_on_cpu(store, device)
         return self._engine
 
     def _slot(self, p: torch.Tensor) -> int:

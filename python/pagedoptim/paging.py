@@ -275,6 +275,21 @@ def warn_about_fallbacks(engine: Any) -> None:
                       f"{stats['direct_io_reason']}", RuntimeWarning, stacklevel=3)
 
 
+def warn_about_host_offload_on_cpu(store: Optional[dict], engine_device_name: str) -> None:
+    """offload="host" for CPU params pages host memory to host memory: the page cache is in
+    the params' own memory and the host tier below it holds every page again, so the state
+    takes its size twice (memory_report()'s 'host' and 'host_tier') and saves nothing. It
+    still works (tests use it to run the host tier on the CPU), so this warns once per
+    optimizer rather than refusing."""
+    if store is None or store["offload"] != "host" or engine_device_name != "cpu":
+        return
+    warnings.warn("pagedoptim: offload='host' with params on the CPU keeps every page twice, "
+                  "in the page cache (host memory, where CPU params live) and in the host "
+                  "tier below it, so it saves no memory. Leave offload unset to keep the "
+                  "state in memory once, or use offload='nvme' to page it to disk",
+                  RuntimeWarning, stacklevel=3)
+
+
 def set_fault_rules(optimizer: Any, rules: list[dict[str, Any]]) -> None:
     """Replaces the faults injected into an optimizer's page file (tests). The optimizer's
     state must have been created inside `store_overrides(faults=[...])`."""

@@ -144,3 +144,31 @@ def test_report_before_the_first_step_has_no_state():
     r = po.AdamW([p]).memory_report()
     assert r["state_bytes"] == r["num_pages"] == r["moment_bytes"] == 0
     assert r["param_bytes"] == 400 and r["grad_bytes"] == 0
+
+
+def _stepped_twice(**kwargs):
+    p = torch.nn.Parameter(torch.randn(64, 64))
+    opt = po.AdamW([p], **kwargs)
+    for _ in range(2):
+        p.grad = torch.randn_like(p)
+        opt.step()
+    return opt
+
+
+def test_host_offload_of_cpu_params_warns_once_that_it_holds_the_state_twice(tmp_path):
+    with pytest.warns(RuntimeWarning, match=r"offload='host' with params on the CPU keeps every "
+                                            r"page twice.*saves no memory") as caught:
+        opt = _stepped_twice(offload="host")
+    assert len([w for w in caught if "offload='host'" in str(w.message)]) == 1
+    placement = opt.memory_report()["state_placement"]
+    assert placement["host"] == placement["host_tier"] > 0  # what the warning says
+
+    import warnings
+    from pagedoptim import paging
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _stepped_twice()
+        _stepped_twice(offload="nvme", nvme_dir=str(tmp_path))
+        with paging.simulated_device():  # the cache stands for device memory there
+            _stepped_twice(offload="host")
+    assert not [w for w in caught if "offload='host'" in str(w.message)]
