@@ -50,7 +50,7 @@ def save_demo_figure(
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    figure, (loss_axes, bytes_axes) = plt.subplots(1, 2, figsize=(13, 5), width_ratios=(3, 2))
+    figure, (loss_axes, bytes_axes) = plt.subplots(1, 2, figsize=(13, 5.6), width_ratios=(3, 2))
     figure.suptitle(title, fontsize=10)
     colors = {name: f"C{index}" for index, name in enumerate(train_losses)}
 
@@ -77,7 +77,10 @@ def save_demo_figure(
     loss_axes.set_xlabel("step")
     loss_axes.set_ylabel(f"training loss (mean of {SMOOTHING_STEPS} steps), nats/byte")
     loss_axes.grid(True, which="both", alpha=0.3)
-    loss_axes.legend(fontsize=8, loc="upper right")  # the curves fall from the top left
+    # Under the figure: on a log step axis the first steps spread over the top of the plot,
+    # and the labels are too long for any corner the curves leave clear at every run length.
+    figure.legend(*loss_axes.get_legend_handles_labels(), fontsize=8, loc="lower left",
+                  bbox_to_anchor=(0.03, 0.0), ncol=2, frameon=False)
 
     names = list(state_bytes_by_kind)
     # Kinds no run has (master residuals of fp32 weights, say) would only crowd the legend.
@@ -99,6 +102,6 @@ def save_demo_figure(
     bytes_axes.set_ylim(0, math.ceil(max(bottoms, default=1) * 1.2))
     bytes_axes.legend(fontsize=8)
 
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, 0.09, 1, 1))  # room for the loss legend below
     figure.savefig(path, dpi=110)
     plt.close(figure)
