@@ -407,7 +407,7 @@ def test_a_pagedoptim_trainer_checkpoint_resumes_with_torch_adamw_after_convert(
     optim="adamw_torch" and trains on."""
     out = tmp_path / "out"
     args = training_args(out, args_cls=PagedOptimTrainingArguments, optim="pagedoptim_adamw",
-                         max_steps=2, save_strategy="steps", save_steps=2)
+                         max_steps=2, save_strategy="steps", save_steps=2, weight_decay=0.1)
     PagedOptimTrainer(model=tiny_llama(), args=args, train_dataset=byte_dataset()).train()
     saved = out / "checkpoint-2" / "optimizer.pt"
     assert len(torch.load(saved, weights_only=True)["param_groups"]) == 2
@@ -424,3 +424,17 @@ def test_a_pagedoptim_trainer_checkpoint_resumes_with_torch_adamw_after_convert(
     losses = [entry["loss"] for entry in resumed.state.log_history if "loss" in entry]
     assert resumed.state.global_step == 4 and len(losses) == 4  # with the first run's two
     assert all(math.isfinite(loss) for loss in losses)
+
+    # The README's snippet for a plain loop, exactly as printed, on the converted file.
+    snippet = readme.split("loading it by hand takes a torch")[1].split("```python\n")[1]
+    snippet = snippet.split("```")[0].replace("out/checkpoint-500", str(out / "checkpoint-2"))
+    model = tiny_llama()
+    namespace = {"torch": torch, "model": model,
+                 "trainer": transformers.Trainer(model=model, args=training_args(out))}
+    exec(snippet, namespace)
+    opt = namespace["opt"]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]  # the saved groups
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()  # the guard finds fp32 moments: torch steps them
+    assert all(int(s["step"]) == 3 for s in opt.state.values())
