@@ -21,6 +21,7 @@ import contextlib
 import errno
 import os
 import shutil
+import sys
 import warnings
 from typing import Any, Iterator, Optional
 
@@ -263,6 +264,18 @@ def stats_before_first_step(options: PagingOptions) -> dict[str, Any]:
     }
 
 
+def _frames_to_the_caller() -> int:
+    """warnings.warn's stacklevel that names the first frame outside pagedoptim and torch
+    (the step() call of the user's loop, or Trainer's), for a warning issued from wherever
+    the state happens to be built (step, state_dict, load_state_dict)."""
+    packages = (os.path.dirname(os.path.abspath(__file__)),
+                os.path.dirname(os.path.abspath(torch.__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(packages):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def warn_about_fallbacks(engine: Any) -> None:
     """A warning for each way the page file runs below its best: POSIX instead of io_uring,
     buffered instead of O_DIRECT."""
@@ -287,7 +300,7 @@ def warn_about_host_offload_on_cpu(store: Optional[dict], engine_device_name: st
                   "in the page cache (host memory, where CPU params live) and in the host "
                   "tier below it, so it saves no memory. Leave offload unset to keep the "
                   "state in memory once, or use offload='nvme' to page it to disk",
-                  RuntimeWarning, stacklevel=3)
+                  RuntimeWarning, stacklevel=_frames_to_the_caller())
 
 
 def set_fault_rules(optimizer: Any, rules: list[dict[str, Any]]) -> None:
