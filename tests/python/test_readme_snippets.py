@@ -19,9 +19,9 @@ import transformers
 
 import pagedoptim as po
 from ranks import run_ranks
+from test_transformers_integration import byte_dataset, tiny_llama
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-SEQ = 16
 
 
 def snippets() -> list[str]:
@@ -32,20 +32,6 @@ def snippet_with(first_line_start: str) -> str:
     found = [s for s in snippets() if s.startswith(first_line_start)]
     assert len(found) == 1, f"README has {len(found)} snippets starting {first_line_start!r}"
     return found[0]
-
-
-def tiny_llama() -> transformers.LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
-    return transformers.LlamaForCausalLM(config)
-
-
-def byte_rows(count: int = 8) -> list[dict]:
-    text = Path(transformers.__file__).read_bytes()
-    data = torch.tensor(list(text[:count * SEQ]), dtype=torch.long).view(count, SEQ)
-    return [{"input_ids": row, "labels": row} for row in data]
 
 
 def run(snippet: str, tmp_path: Path, **names) -> dict:
@@ -94,7 +80,7 @@ def test_the_trainer_snippet(tmp_path):
                                           use_cpu=True, save_strategy="no", disable_tqdm=True,
                                           learning_rate=2e-5)
     namespace = run(snippet_with("import pagedoptim as po\nfrom transformers"), tmp_path,
-                    model=model, args=args, data=byte_rows())
+                    model=model, args=args, data=byte_dataset(8))
     trainer = namespace["trainer"]
     assert trainer.state.global_step > 0  # route 4's own arguments: three epochs of one step
     opt = namespace["unwrap_optimizer"](trainer.optimizer)
