@@ -33,6 +33,7 @@ eager code.
 from __future__ import annotations
 
 import itertools
+import sys
 import weakref
 from typing import Any, Optional
 
@@ -83,7 +84,19 @@ def _registered_id(optimizer: Any) -> int:
     return optimizer_id
 
 
-@torch.compiler.assume_constant_result
+def _assume_constant_result(fn: Any) -> Any:
+    """torch.compiler.assume_constant_result without importing torch._dynamo, which costs
+    `import pagedoptim` (and, under PAGEDOPTIM=1, every script importing torch) about 1.5 s.
+    The decorator only marks the function; Dynamo reads the mark when it traces, by which
+    time torch.compile has imported it. Once Dynamo is loaded the public decorator is used;
+    tests/python/test_compile.py checks that it still sets nothing but this mark."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_assume_constant_result
 def _prepare(optimizer: Any) -> int:
     """Runs eagerly while Dynamo traces the step (and on every retrace): registers the
     optimizer, refreshes its plan and creates the step counters of the params that have a

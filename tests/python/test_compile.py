@@ -417,3 +417,42 @@ def test_the_step_op_is_left_out_of_cuda_graphs():
         pytest.skip("this torch has no cudagraph_unsafe tag")
     op = getattr(torch.ops.pagedoptim, compiled_step.OP_NAME.split("::")[1]).default
     assert torch.Tag.cudagraph_unsafe in op.tags
+
+
+def test_import_leaves_dynamo_unloaded_and_a_compiled_step_still_traces_once():
+    """`import pagedoptim` does not import torch._dynamo (1.5 s of every PAGEDOPTIM=1
+    script's start): compiled_step marks _prepare as Dynamo's decorator would. In a fresh
+    process, where that mark (not the public decorator) is in force, a compiled step still
+    matches eager bit for bit and compiles one frame."""
+    import subprocess
+    import sys
+    child = """
+import sys, torch, pagedoptim as po
+assert "torch._dynamo" not in sys.modules, "import pagedoptim loaded torch._dynamo"
+from torch._dynamo.utils import counters
+torch.manual_seed(0)
+params = [torch.nn.Parameter(torch.randn(40, 33)), torch.nn.Parameter(torch.randn(7))]
+twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+compiled, eager = po.AdamW(params, lr=0.1), po.AdamW(twins, lr=0.1)
+step = torch.compile(compiled.step)
+for _ in range(3):
+    for p, q in zip(params, twins):
+        p.grad = torch.randn_like(p); q.grad = p.grad.clone()
+    step(); eager.step()
+assert all(torch.equal(p, q) for p, q in zip(params, twins))
+print(counters["stats"]["unique_graphs"], counters["frames"]["ok"])
+"""
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    graphs, frames = map(int, done.stdout.split())
+    assert graphs == 1, done.stdout
+
+
+def test_dynamos_constant_result_decorator_still_only_marks_the_function():
+    """compiled_step sets the mark itself while Dynamo is not loaded; that is only right while
+    torch's decorator does nothing else."""
+    def fn():
+        return 0
+    assert torch.compiler.assume_constant_result(fn) is fn
+    assert vars(fn) == {"_dynamo_marked_constant": True}

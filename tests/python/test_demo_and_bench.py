@@ -304,3 +304,14 @@ def test_skewadam_state_benchmark_times_every_optimizer_in_the_same_rounds():
     target = records[-1]
     assert target["bench"] == "skewadam_target"
     assert target["met"] == (steps["skewadam"]["seconds"] <= steps["torch_adamw_fused"]["seconds"])
+
+
+def test_import_time_benchmark_compares_with_import_torch():
+    result = run([str(REPO_ROOT / "benchmarks" / "import_time.py"), "--repeats", "1"],
+                 timeout=300)
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout.splitlines()[-1])
+    assert record["benchmark"] == "import_time"
+    assert record["import_torch_and_pagedoptim_s"] > 0 and record["import_torch_s"] > 0
+    assert record["ratio"] == pytest.approx(record["import_torch_and_pagedoptim_s"]
+                                            / record["import_torch_s"], rel=1e-2)
