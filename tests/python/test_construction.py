@@ -63,14 +63,26 @@ def test_lion_positional_signature():
     assert got == (3e-4, (0.95, 0.98), 0.1, True)
 
 
-@pytest.mark.parametrize("name", ALL)
-def test_paging_kwargs_are_keyword_only(name):
-    # Positional arguments stop at maximize; one more positional is a TypeError.
-    defaults = {"AdamW": [1e-3, (0.9, 0.999), 1e-8, 1e-2, False, False],
-                "SGD": [1e-3, 0.0, 0.0, 0.0, False, False],
-                "Lion": [1e-4, (0.9, 0.99), 0.0, False]}[name]
-    with pytest.raises(TypeError):
-        OURS[name]([one_param()], *defaults, 32)
+PAGING_KWARGS = ["state_bits", "master_bits", "offload", "nvme_dir", "cache_bytes", "page_bytes",
+                 "prefetch", "policy", "release_grads"]
+
+
+@pytest.mark.parametrize("cls", [po.AdamW, po.SGD, po.Lion, po.SkewAdam],
+                         ids=lambda cls: cls.__name__)
+def test_paging_kwargs_are_keyword_only(cls):
+    """Positional arguments stop where torch's do (at maximize; SkewAdam at weight_decay):
+    one more positional is a TypeError, and every paging keyword is keyword-only, so a
+    torch-style positional call can never land in state_bits. The class itself, not a
+    functools.partial that already passes state_bits by keyword."""
+    import inspect
+    parameters = inspect.signature(cls).parameters
+    for name in PAGING_KWARGS:
+        assert parameters[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+    positional = [p for p in parameters.values()
+                  if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    defaults = [p.default for p in positional[1:]]  # all but params
+    with pytest.raises(TypeError, match="positional argument"):
+        cls([one_param()], *defaults, 32)
 
 
 # --- parameter forms ----------------------------------------------------------------------

@@ -1109,7 +1109,7 @@ def test_tiny_llama_trains_in_less_memory_and_tracks_torch(record_property):
     po.AdamW's default on bf16 params (int8 residual, 8-bit moments) below torch.optim.AdamW
     on fp32 params, the like-for-like precision. The loss of the bf16 run tracks torch's fp32
     run within 5%, or within twice the gap of torch's AdamW on bf16 params (no master copy)."""
-    transformers = pytest.importorskip("transformers")
+    import transformers  # a test dependency (requirements-dev.txt): never a skip
     config = transformers.LlamaConfig(
         vocab_size=256, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256,

@@ -8,7 +8,7 @@ import torch
 import pagedoptim as po
 from pagedoptim.tiers import DEFAULT_TIER_PATTERNS, compile_tier_patterns, tier_of_name
 
-transformers = pytest.importorskip("transformers")
+import transformers  # a test dependency (requirements-dev.txt): never a skip
 
 TINY = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
             num_attention_heads=2, num_key_value_heads=1)

@@ -344,6 +344,17 @@ def test_release_grads_is_refused_where_trainer_clips_or_accumulates(tmp_path):
         trainer.train()
 
 
+def test_release_grads_is_refused_with_several_processes(tmp_path, monkeypatch):
+    """Under DDP each rank would step its own gradient before the all-reduce. Two ranks are
+    stood in for by TrainingArguments' world_size (a real two-process Trainer run is what
+    the refusal prevents)."""
+    args = training_args(tmp_path, PagedOptimTrainingArguments, max_grad_norm=0.0)
+    monkeypatch.setattr(type(args), "world_size", property(lambda self: 2))
+    with pytest.raises(ValueError, match="release_grads=True cannot be used with 2 processes"):
+        optimizer_cls_and_kwargs_from("pagedoptim_adamw", "release_grads=true", args=args)
+    optimizer_cls_and_kwargs_from("pagedoptim_adamw", "release_grads=false", args=args)
+
+
 def test_release_grads_without_clipping_trains_like_step(tmp_path):
     """Where Trainer neither clips nor accumulates, release_grads changes memory, not
     training."""
