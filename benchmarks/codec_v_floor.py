@@ -1,6 +1,6 @@
 """AdamW with companded 8-bit moments against exact fp32 AdamW, with and without the v floor.
 
-The known failure of the companded format (issue 3, item 2): when magnitudes inside a group of
+The known failure of the companded format: when magnitudes inside a group of
 32 differ by 100x and more, a small element's sqrt(v) falls below half a code of the group's
 scale and decodes to 0 while its first moment keeps a nonzero code, so m / (sqrt(v) + eps)
 explodes. The fix decodes code 0 as the top of its interval, (0.5/255 * s)^2, in AdamW's

@@ -17,7 +17,7 @@ grad 2, residual 1+1, codes and scales as before: 12.25 B; fp32: 28 B) as GB/s a
 fraction of the memory bandwidth measured at the start. The bf16 workload compares with torch
 on fp32 params because that is what the residual replaces: an fp32 master copy.
 
-The last line, {"benchmark": "compressed_targets", ...}, holds issue 12's targets: the 8-bit
+The last line, {"benchmark": "compressed_targets", ...}, holds the speed targets: the 8-bit
 step on 64M fp32 params and on 64M bf16 params (master_bits=24) each at least 0.8x
 torch_fused on an AVX2 machine and 1.2x where the kernels run AVX-512 (`isa`).
 

@@ -1,4 +1,4 @@
-"""GPU paging (issue 9): the offloaded step against the PCIe link, whole training steps with
+"""GPU paging: the offloaded step against the PCIe link, whole training steps with
 paged state against resident state, and the 24 GB headline. One JSON line per result; every
 baseline is measured in the same run.
 
@@ -196,7 +196,7 @@ def memory_plan(num_params: int) -> dict[str, float]:
 def plan_against_measurement(model, opt, settings: dict[str, Any], *, seq: int, batch: int,
                               device: torch.device) -> dict[str, Any]:
     """What `python -m pagedoptim plan` says for this run next to what it measured: the
-    optimizer-state bytes must be equal, the peak within 10% (issue 13). On a GPU the peak
+    optimizer-state bytes must be equal, the peak within 10%. On a GPU the peak
     is torch.cuda.max_memory_allocated, so plan's stated CUDA context overhead is left out."""
     from pagedoptim import memory_plan as planner, model_shapes
     spec = model_shapes.from_module(model, "gpu_paging", dims=model_shapes.dims_from_config(

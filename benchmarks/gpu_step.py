@@ -29,7 +29,7 @@ figure), `host_median_s` (time for the call to return) and `pipelined_s` (events
 params/s comes from median_s; achieved_gbps = params/s x bytes/param; copy_fraction compares it
 with the copy probe's median in the same rounds.
 
-Targets (issue 8), printed with the measured values in a final "gpu_targets" line; the script
+Targets, printed with the measured values in a final "gpu_targets" line; the script
 exits 0 whether or not they are met (1 only when a workload failed to run):
   pagedoptim_8bit_bf16 reaches >= 0.70 of the copy bandwidth and >= 2x torch_fused_fp32 params/s;
   the LoRA-like set runs >= 1.5x torch_fused_fp32; po.AdamW's peak memory is below torch's for

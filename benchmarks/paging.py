@@ -6,7 +6,7 @@ same run), and the hit rate of the eviction policies. One JSON line per result.
     python benchmarks/paging.py --state-mib 2048      # a bigger state (4x the cache)
     python benchmarks/paging.py --large --large-params 2e9   # 8-bit AdamW, 4 GiB cache
     python benchmarks/paging.py --large --checkpoint          # + a streaming checkpoint of it
-    python benchmarks/paging.py --overlap                     # issue 12's NVMe step targets,
+    python benchmarks/paging.py --overlap                     # the NVMe overlap targets,
                                                               # per prefetch depth
 
 `--dir` is where the page file and the bandwidth probe's scratch file go (default: $TMPDIR
@@ -295,7 +295,7 @@ def run_overlap_child(args, depth: int, cache_bytes: int) -> dict:
 
 
 def overlap_run(args) -> None:
-    """Issue 12's NVMe step: --overlap-params bf16 params (8-bit AdamW, the 24-bit master
+    """The NVMe overlap run: --overlap-params bf16 params (8-bit AdamW, the 24-bit master
     split: the defaults), a cache of 1/8 of the state, at each prefetch depth of
     --overlap-prefetch. Times the kernel-only step (the same params under an unpaged
     optimizer), then --overlap-rounds rounds of one process per depth, in turn (the order
@@ -389,7 +389,7 @@ def main() -> None:
     parser.add_argument("--checkpoint", action="store_true",
                         help="with --large: save_checkpoint / load_checkpoint of its state")
     parser.add_argument("--overlap", action="store_true",
-                        help="issue 12's NVMe step targets (cache = state / 8)")
+                        help="the NVMe overlap targets (cache = state / 8)")
     parser.add_argument("--overlap-params", default="1e9")
     parser.add_argument("--overlap-prefetch", default="4,32",
                         help="prefetch depths compared by --overlap, the first the baseline "

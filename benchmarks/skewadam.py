@@ -7,7 +7,7 @@ measured in the same run. One JSON line per result:
                 of rounds in which every optimizer steps once, in turn; the ratio to torch
                 AdamW (default foreach and fused=True), and what phase 1 (the row and column
                 statistics) would cost as plain torch ops, for scale
-  skewadam_target  SkewAdam's speed against torch's fused AdamW (issue 12: at least 1.0)
+  skewadam_target  SkewAdam's speed against torch's fused AdamW (target: at least 1.0)
   loss          the tiny MoE language model of tests/python/test_skewadam_lm.py (byte
                 vocabulary, Python stdlib sources as text), final loss per optimizer; the
                 curves go to docs/skewadam_loss.png

@@ -64,7 +64,7 @@
 #              (default shared/wheels, see docs/comparison.md), else reported skipped
 # compute-sanitizer refuses gVisor machines (the H200 kind: kernel 4.4.0): there the sanitizer
 # parts are reported UNAVAILABLE at once and do not count against the run.
-# A later issue adds a part by writing a function part_NAME (it gets its time limit in seconds
+# A new check is added as a part by writing a function part_NAME (it gets its time limit in seconds
 # as $1 and returns 0 for pass, 3 when the machine cannot run it) and registering it below
 # with register_part; `--NAME` then selects it (e.g. --peers).
 #

@@ -6,7 +6,7 @@ from typing import Any, Iterable, Optional, Union
 
 import torch
 
-from pagedoptim import torch_flags
+from pagedoptim import state_format, torch_flags
 from pagedoptim._validation import as_flag, check_betas, check_non_negative
 from pagedoptim.optimizer import PagedOptimizer
 from pagedoptim.options import PagingOptions
@@ -25,9 +25,9 @@ class AdamW(PagedOptimizer):
     """
 
     _kind = "adamw"
-    _FIRST = Moment("exp_avg", second=False)
-    _SECOND = Moment("exp_avg_sq", second=True)
-    _SECOND_MAX = Moment("max_exp_avg_sq", second=True)
+    _FIRST = state_format.EXP_AVG
+    _SECOND = state_format.EXP_AVG_SQ
+    _SECOND_MAX = state_format.MAX_EXP_AVG_SQ
     _sparse_gradient_hint = ", please consider SparseAdam instead"  # torch's words
 
     def __init__(

@@ -18,20 +18,14 @@ from typing import Any, Optional
 import torch
 
 from pagedoptim import checkpoint_algorithms, state_format
-from pagedoptim.adamw import AdamW
-from pagedoptim.lion import Lion
-from pagedoptim.sgd import SGD
-from pagedoptim.skewadam import SkewAdam
 from pagedoptim.state_format import Moment
 
-# The moments each algorithm may compand, taken from the optimizers themselves. SkewAdam's
-# exact second moment is fp32 in every format, so only its momentum converts.
+# The moments each algorithm may compand (state_format.MOMENTS). SkewAdam's exact second
+# moment is fp32 in every format, so only its momentum converts.
 COMPANDED_MOMENTS: dict[str, list[Moment]] = {
-    checkpoint_algorithms.ADAMW: [AdamW._FIRST, AdamW._SECOND, AdamW._SECOND_MAX],
-    checkpoint_algorithms.SGD: [SGD._MOMENTUM],
-    checkpoint_algorithms.LION: [Lion._FIRST],
-    checkpoint_algorithms.SKEWADAM: [SkewAdam._FIRST],
-}
+    algorithm: [m for m in moments if not (algorithm == checkpoint_algorithms.SKEWADAM
+                                           and m.second)]
+    for algorithm, moments in state_format.MOMENTS.items()}
 STATE_BITS = (8, 32)
 
 

@@ -6,7 +6,7 @@ from typing import Any, Iterable, Optional, Union
 
 import torch
 
-from pagedoptim import torch_flags
+from pagedoptim import state_format, torch_flags
 from pagedoptim._validation import as_flag, check_betas, check_non_negative
 from pagedoptim.optimizer import PagedOptimizer
 from pagedoptim.options import PagingOptions
@@ -20,7 +20,7 @@ class Lion(PagedOptimizer):
     """
 
     _kind = "lion"
-    _FIRST = Moment("exp_avg", second=False)
+    _FIRST = state_format.EXP_AVG
 
     def __init__(
         self,

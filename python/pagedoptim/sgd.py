@@ -6,7 +6,7 @@ from typing import Any, Iterable, Optional, Union
 
 import torch
 
-from pagedoptim import torch_flags
+from pagedoptim import state_format, torch_flags
 from pagedoptim._validation import as_flag, check_non_negative
 from pagedoptim.optimizer import PagedOptimizer
 from pagedoptim.options import PagingOptions
@@ -18,7 +18,7 @@ class SGD(PagedOptimizer):
     drop-in for torch.optim.SGD. With momentum=0 it keeps no state at all."""
 
     _kind = "sgd"
-    _MOMENTUM = Moment("momentum_buffer", second=False)
+    _MOMENTUM = state_format.MOMENTUM_BUFFER
     # torch.optim.SGD's state holds only momentum_buffer; the step count that tells a first
     # step (the buffer starts as the gradient) from later ones is kept out of sight.
     _step_in_state = False

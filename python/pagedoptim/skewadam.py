@@ -108,8 +108,8 @@ class SkewAdam(PagedOptimizer):
     """
 
     _kind = "skewadam"
-    _FIRST = Moment("exp_avg", second=False)
-    _SECOND = Moment("exp_avg_sq", second=True)
+    _FIRST = state_format.EXP_AVG
+    _SECOND = state_format.EXP_AVG_SQ
 
     def __init__(
         self,

@@ -29,6 +29,21 @@ class Moment:
     second: bool  # a second moment (v >= 0): coded as sqrt(v), uint8
 
 
+# The moments of each algorithm, by the names torch.optim gives them (SkewAdam's exact
+# second moment, like its factored one, is fp32 in every format). The optimizers and the
+# checkpoint conversions both read them from here.
+EXP_AVG = Moment("exp_avg", second=False)
+EXP_AVG_SQ = Moment("exp_avg_sq", second=True)
+MAX_EXP_AVG_SQ = Moment("max_exp_avg_sq", second=True)
+MOMENTUM_BUFFER = Moment("momentum_buffer", second=False)
+MOMENTS: dict[str, tuple[Moment, ...]] = {
+    "adamw": (EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ),
+    "sgd": (MOMENTUM_BUFFER,),
+    "lion": (EXP_AVG,),
+    "skewadam": (EXP_AVG, EXP_AVG_SQ),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class StreamSpec:
     name: str

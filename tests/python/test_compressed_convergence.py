@@ -3,7 +3,7 @@
 A 2-layer byte-level transformer (d=32, context 32, 43K params, plain torch) learns the
 Python standard library's own sources (functools.py, argparse.py, textwrap.py: local text,
 always present, fixed). Same seed, same batches, 300 steps; the final loss is the mean of the
-last 20 steps. Goals (issue 3): 8-bit AdamW within 1% of fp32 torch.optim.AdamW; bf16 params
+last 20 steps. Goals: 8-bit AdamW within 1% of fp32 torch.optim.AdamW; bf16 params
 and grads with master_bits=24 within 2%.
 
 "Within" is one-sided with a floor: a run may not end more than 1% (2%) above the fp32

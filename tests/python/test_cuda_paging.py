@@ -1,4 +1,4 @@
-"""GPU paging (issue 9): CUDA params whose state lives in a device page cache of cache_bytes,
+"""GPU paging: CUDA params whose state lives in a device page cache of cache_bytes,
 over pinned host memory (offload="host") or the NVMe page file behind pinned bounce buffers
 (offload="nvme").
 

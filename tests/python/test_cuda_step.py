@@ -1,4 +1,4 @@
-"""The CUDA step (issue 8): params on a GPU, their state in device-resident pages, stepped by
+"""The CUDA step: params on a GPU, their state in device-resident pages, stepped by
 the table kernels.
 
 What is held here (docs/gpu.md says how to run it and what each part shows):

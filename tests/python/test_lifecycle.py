@@ -180,7 +180,7 @@ def test_two_processes_share_an_nvme_dir(tmp_path):
 
 # -- leaks -------------------------------------------------------------------------------------
 
-# The issue's 1000 create/step/close cycles of a paged optimizer: ~2.5 s on 2 cores.
+# 1000 create/step/close cycles of a paged optimizer: ~2.5 s on 2 cores.
 LEAK_CYCLES = 1000
 
 
@@ -239,7 +239,7 @@ def test_device_cached_optimizers_give_back_every_device_resource(offload, tmp_p
         return held
 
     # What earlier tests in this process still hold stays out of the count: a release_grads
-    # optimizer lives on through its params' hooks (issue 43), and the GPU test modules run
+    # optimizer lives on through its params' hooks, and the GPU test modules run
     # on this same simulated device.
     gc.collect()
     before = usage()

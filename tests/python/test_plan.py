@@ -35,7 +35,7 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 PEAK_CHILD = pathlib.Path(__file__).with_name("plan_peak_child.py")
 STATE_FIELDS = ("state_bytes", "moment_bytes", "scale_bytes", "residual_bytes", "step_bytes",
                 "page_slack_bytes", "num_pages", "page_bytes")
-PEAK_TOLERANCE = 0.10  # the bar for peaks
+PEAK_TOLERANCE = 0.10  # predicted peaks within 10% of the measured ones
 
 
 def save_config(directory: pathlib.Path, config) -> pathlib.Path:

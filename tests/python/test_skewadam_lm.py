@@ -2,7 +2,7 @@
 weights, a byte vocabulary, and text from the Python standard library's own sources.
 
 Expert-heavy configuration (8 experts of 4x the hidden width, 2 layers): experts hold about
-nine tenths of the weights, the situation SkewAdam is for. Checks the two claims of issue 5
+nine tenths of the weights, the situation SkewAdam is for. Checks SkewAdam's two claims
 at this scale: optimizer state at most 5% of torch.optim.AdamW's, and the loss after a few
 hundred steps within 5% of AdamW's (same init, same batches, same learning rate).
 """

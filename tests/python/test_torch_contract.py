@@ -1,5 +1,6 @@
-"""torch.optim's contract at its edges (issue 10, points 1-4, 8 and 9), against torch's own
-optimizers wherever torch defines the behaviour.
+"""torch.optim's contract at its edges, against torch's own optimizers wherever torch defines
+the behaviour: state-dict hooks, optimizer.state[p], torch's keyword arguments and group keys,
+edge cases, gradient release that never silently changes training, and PEFT-sized state.
 
 Exact mode (state_bits=32, master_bits=None) matches torch.optim.AdamW to fp32 rounding and
 SGD bit for bit, so exact mode is what compares states with torch's.

@@ -376,7 +376,7 @@ def test_trainer_release_grads_with_clipping_raises(tmp_path):
     """Plain Trainer (no pagedoptim integration) with release_grads=True and its default
     max_grad_norm=1.0 must end in a clear error, not a silently skipped clip and a logged
     grad_norm of 0.0. No pagedoptim integration sees this route: the release guard on
-    accelerate's clip_grad_norm_, which Trainer calls, refuses it (issue 10, point 8)."""
+    accelerate's clip_grad_norm_, which Trainer calls, refuses it."""
     trainer = transformers.Trainer(model=tiny_llama(), args=training_args(tmp_path),
                                    train_dataset=byte_dataset(),
                                    optimizer_cls_and_kwargs=(po.AdamW, {"lr": LR, "release_grads": True}))

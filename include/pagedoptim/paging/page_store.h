@@ -66,7 +66,7 @@ class PageStore {
   virtual int64_t resident_bytes() const = 0;
 };
 
-// Every page resident in host memory, 4 KiB aligned (the tier of issue 2; the page cache
+// Every page resident in host memory, 4 KiB aligned (the plain host tier; the page cache
 // and the NVMe tier build on the same protocol).
 class HostPageStore final : public PageStore {
  public:

@@ -1,6 +1,6 @@
 // Companded 8-bit moments (companding.h): round-trip error bounds derived from the code
 // spacing, the fp16 scale, partial / zero / subnormal / saturated groups, the non-finite
-// policy, and the AdamW denominator floor that keeps updates bounded (issue 3, item 2).
+// policy, and the AdamW denominator floor that keeps updates bounded.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -370,7 +370,8 @@ TEST(NonFinitePolicy, NaNStaysSticky) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The AdamW denominator floor (issue 3, item 2).
+// The AdamW denominator floor: the fix for the known failure of the companded format, where
+// sqrt(v) of a small element decodes to 0 while its m does not (docs/compression.md).
 
 TEST(DenominatorFloor, OnlyCodeZeroChanges) {
   for (const float scale : {1.0f, 3e-5f, 65504.0f}) {
