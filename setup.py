@@ -190,6 +190,9 @@ setup(
     package_dir={"": "python"},
     packages=find_packages("python"),
     py_modules=["_pagedoptim_startup"],
+    # The native module's type stub (python/pagedoptim/_C.pyi), so editors and type checkers
+    # follow step() into the binding; the pickles of old layouts are test data, not package.
+    package_data={"pagedoptim": ["_C.pyi", "py.typed"]},
     ext_modules=[CMakeExtension("pagedoptim._C")],
     cmdclass={"build": BuildWithStartupHook, "build_startup_hook": BuildStartupHook,
               "build_ext": CMakeBuild},

@@ -198,7 +198,7 @@ def plan_against_measurement(model, opt, settings: dict[str, Any], *, seq: int, 
     """What `python -m pagedoptim plan` says for this run next to what it measured: the
     optimizer-state bytes must be equal, the peak within 10%. On a GPU the peak
     is torch.cuda.max_memory_allocated, so plan's stated CUDA context overhead is left out."""
-    from pagedoptim import memory_plan as planner, model_shapes
+    from pagedoptim.cli import memory_plan as planner, model_shapes
     spec = model_shapes.from_module(model, "gpu_paging", dims=model_shapes.dims_from_config(
         model.config))
     dtype = next(model.parameters()).dtype

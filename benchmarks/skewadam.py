@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 import pagedoptim as po
-from pagedoptim.reference_skewadam import SkewAdamReference
+from pagedoptim.reference.skewadam import SkewAdamReference
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from utils import emit, time_interleaved  # noqa: E402

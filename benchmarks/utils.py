@@ -3,8 +3,8 @@
 Every benchmark here compares against a baseline measured in the same process and relates its
 result to a physical limit measured in the same process, because absolute times on shared
 machines drift by tens of percent between runs. The helpers below are the pieces for that:
-interleaved timing and a memory-bandwidth probe (from the package: pagedoptim.timing,
-pagedoptim.memory_bandwidth) and a one-JSON-line-per-result printer.
+interleaved timing and a memory-bandwidth probe (from the package: pagedoptim.cli.timing,
+pagedoptim.cli.memory_bandwidth) and a one-JSON-line-per-result printer.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any, Optional, TextIO
 
 # The timing and bandwidth helpers live in the package, where `python -m pagedoptim bench`
 # uses them too; the scripts here import them from this module as before.
-from pagedoptim.memory_bandwidth import MemoryBandwidth, StreamingProbe, measure_memory_bandwidth  # noqa: F401
-from pagedoptim.timing import Timing, synchronize, time_interleaved  # noqa: F401
+from pagedoptim.cli.memory_bandwidth import MemoryBandwidth, StreamingProbe, measure_memory_bandwidth  # noqa: F401
+from pagedoptim.cli.timing import Timing, synchronize, time_interleaved  # noqa: F401
 
 
 def significant(value: float, digits: int = 4) -> float:

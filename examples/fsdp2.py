@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
 from torch.distributed.fsdp import fully_shard
 
 import pagedoptim as po
-from pagedoptim.demo import BatchSampler, TinyCausalLM, load_stdlib_bytes
+from pagedoptim.cli.demo import BatchSampler, TinyCausalLM, load_stdlib_bytes
 
 
 def build(args: argparse.Namespace, device: torch.device):

@@ -25,7 +25,7 @@ import tempfile
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pagedoptim.demo import load_stdlib_bytes
+from pagedoptim.cli.demo import load_stdlib_bytes
 from pagedoptim.integrations import unwrap_optimizer
 from pagedoptim.integrations.transformers import (OPTIMIZERS, PagedOptimTrainer,
                                                   PagedOptimTrainingArguments)

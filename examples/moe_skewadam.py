@@ -24,8 +24,8 @@ import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
 import pagedoptim as po
-from pagedoptim.demo import BatchSampler, load_stdlib_bytes
-from pagedoptim.setting_text import byte_size_argument
+from pagedoptim.cli.demo import BatchSampler, load_stdlib_bytes
+from pagedoptim.paging.setting_text import byte_size_argument
 
 
 def main() -> None:

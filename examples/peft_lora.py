@@ -28,9 +28,9 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import pagedoptim as po
-from pagedoptim.demo import load_stdlib_bytes
+from pagedoptim.cli.demo import load_stdlib_bytes
 from pagedoptim.integrations import unwrap_optimizer
-from pagedoptim.setting_text import byte_size_argument
+from pagedoptim.paging.setting_text import byte_size_argument
 
 
 def byte_dataset(examples: int, seq_len: int) -> list[dict[str, torch.Tensor]]:

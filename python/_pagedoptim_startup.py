@@ -69,7 +69,7 @@ class _PatchAfterImport:
         loader.exec_module = exec_then_patch
 
     def _patch(self) -> None:
-        from pagedoptim.patch import patch_from_environment
+        from pagedoptim.integrations.patch import patch_from_environment
 
         patch_from_environment()
         # Only once the patch succeeded: after an error, importing torch again retries it.

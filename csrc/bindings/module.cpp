@@ -41,7 +41,7 @@ PYBIND11_MODULE(_C, m) {
         },
         pybind11::arg("data"), pybind11::arg("crc") = 0,
         "crc32c (Castagnoli) of a contiguous buffer's bytes, continuing `crc`: the page "
-        "checksum, also the checkpoint records' (pagedoptim/checkpoint_stream.py).");
+        "checksum, also the checkpoint records' (pagedoptim/checkpoint/stream.py).");
   m.def("simulated_device_usage", &pagedoptim::bindings::simulated_device_usage,
         "What the simulated device (pagedoptim.paging.simulated_device()) holds now: device "
         "and pinned host bytes and allocations, streams, events.");

@@ -1,16 +1,22 @@
-"""PagedOptim: drop-in PyTorch optimizers with compressed, paged optimizer state."""
+"""PagedOptim: drop-in PyTorch optimizers with compressed, paged optimizer state.
 
-from pagedoptim.adamw import AdamW
-from pagedoptim.checkpoint_format import CheckpointError
-from pagedoptim.interrupted_step import InterruptedStepError
-from pagedoptim.lion import Lion
-from pagedoptim.optimizer import PagedOptimizer
-from pagedoptim.paging import PageCorruptionError, PageIOError
-from pagedoptim.patch import patch, unpatch
-from pagedoptim.sgd import SGD
-from pagedoptim.skewadam import SkewAdam
-from pagedoptim.wrap import wrap
-from pagedoptim import torch_optimizer_guard
+The package is layered, each layer importing only those before it (CONTRIBUTING.md has the
+map; tests/python/test_package_layers.py checks it): state/ < paging/ < engine/ <
+checkpoint/ < optim/ < integrations/, reference/ < cli/. This module is the face above them.
+"""
+
+from pagedoptim import _moved_modules
+
+# Old module names (pagedoptim.adamw, ...) resolve to their new homes: old pickles load.
+_moved_modules.install()
+
+from pagedoptim.checkpoint.format import CheckpointError  # noqa: E402
+from pagedoptim.engine.interrupted_step import InterruptedStepError  # noqa: E402
+from pagedoptim.integrations import torch_optimizer_guard  # noqa: E402
+from pagedoptim.integrations.patch import patch, unpatch  # noqa: E402
+from pagedoptim.integrations.wrap import wrap  # noqa: E402
+from pagedoptim.optim import AdamW, Lion, PagedOptimizer, SGD, SkewAdam  # noqa: E402
+from pagedoptim.paging import PageCorruptionError, PageIOError  # noqa: E402
 
 # torch.optim optimizers given our compressed state raise at their step, naming `convert`.
 torch_optimizer_guard.install()
@@ -24,5 +30,5 @@ def __getattr__(name: str):
     # pagedoptim.dcp imports torch.distributed.checkpoint: only for those who use it.
     if name == "dcp":
         import importlib
-        return importlib.import_module("pagedoptim.dcp")
+        return importlib.import_module("pagedoptim.integrations.dcp")
     raise AttributeError(f"module 'pagedoptim' has no attribute {name!r}")

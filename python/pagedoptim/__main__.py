@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedoptim import bench, convert, demo, plan
+from pagedoptim.cli import bench, convert, demo, plan
 
 # name -> (module, one-line help)
 COMMANDS = {

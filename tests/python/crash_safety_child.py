@@ -9,7 +9,7 @@ import pathlib
 import torch
 
 import pagedoptim as po
-from pagedoptim import atomic_file, checkpoint_stream
+from pagedoptim.checkpoint import atomic_file, stream as checkpoint_stream
 
 SHAPES = [(24_000,), (64, 130), (33,)]
 PAGE = 4096

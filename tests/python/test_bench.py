@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from pagedoptim import machine_profile, step_modes
+from pagedoptim.cli import machine_profile, step_modes
 from pagedoptim.__main__ import main
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ import torch
 
 import pagedoptim as po
 from conftest import LionReference, make_params, set_grads
-from pagedoptim.checkpoint_algorithms import check_algorithm, identify_algorithm
+from pagedoptim.checkpoint.algorithms import check_algorithm, identify_algorithm
 
 SHAPES = [(5, 13), (33,)]
 

@@ -1,4 +1,4 @@
-"""save_checkpoint / load_checkpoint (pagedoptim/checkpoint_stream.py, docs/checkpoint_format.md).
+"""save_checkpoint / load_checkpoint (pagedoptim/checkpoint/stream.py, docs/checkpoint_format.md).
 
 A run that checkpoints, and continues from the file in a fresh optimizer, must match a run
 that never checkpointed bit for bit (params and state_dict()), for every optimizer, with
@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import pagedoptim as po
-from pagedoptim import atomic_file, checkpoint_format, checkpoint_stream
+from pagedoptim.checkpoint import (atomic_file, format as checkpoint_format,
+                                   stream as checkpoint_stream)
 
 PAGE = 8192
 STEPS, SAVE_AT = 5, 2

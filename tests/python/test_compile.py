@@ -1,5 +1,5 @@
 """torch.compile over pagedoptim's optimizers: the step is one custom op (see
-pagedoptim/compiled_step.py and docs/torch_compile.md).
+pagedoptim/engine/compiled_step.py and docs/torch_compile.md).
 
 Every test compares a compiled optimizer with an eager twin that sees the same initial
 params and the same gradients: the results must be bit-identical (the compiled step runs the
@@ -17,7 +17,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import pagedoptim as po
-from pagedoptim import compiled_step
+from pagedoptim.engine import compiled_step
 
 # Mixed shapes (a 0-dim scalar, sizes that are not multiples of 32, 2-D and 3-D tensors)
 # and dtypes: 20 params. The names follow SkewAdam's default tier patterns: the [E, rows,
@@ -30,7 +30,9 @@ _PARAM_SPECS = ([(f"layers.{i}.weight", shape, torch.float32) for i, shape in en
                    ("mlp.experts.up_proj", (4, 6, 8), torch.bfloat16)])
 
 # One page of 4 KiB, several pages of state, a cache of three pages: most steps page.
-_PAGED = dict(offload="host", page_bytes=4096, cache_bytes=3 * 4096)
+# Paged to the page file (on the CPU the cache is host memory already: offload="host" there
+# would hold the state twice, and warns).
+_PAGED = dict(offload="nvme", page_bytes=4096, cache_bytes=3 * 4096)
 
 _BASE_OPTIMIZERS = {
     "adamw-8bit": lambda params, **paging: po.AdamW(params, lr=1e-2, **paging),

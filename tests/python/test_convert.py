@@ -16,10 +16,10 @@ import torch
 import pagedoptim as po
 from conftest import (Grads, assert_state_equal, clone_params, make_params, run_lockstep,
                       run_steps, set_grads)
-from pagedoptim import convert
+from pagedoptim.cli import convert
 from pagedoptim.__main__ import main
 from pagedoptim._native import native
-from pagedoptim.checkpoint_conversion import (AlreadyInTargetFormat, to_pagedoptim_format,
+from pagedoptim.checkpoint.conversion import (AlreadyInTargetFormat, to_pagedoptim_format,
                                               to_torch_format)
 
 SHAPES = [(), (7,), (33,), (5, 13), (3, 31, 3)]
@@ -160,6 +160,32 @@ def test_torch_optimizer_given_our_state_refuses_to_step_and_names_convert(case,
     converted.load_state_dict(opt.torch_state_dict())
     converted.step()
     assert not all(torch.equal(a, b) for a, b in zip(torch_params, before))
+
+
+def test_the_guard_covers_subclasses_of_torchs_algorithms_not_wrappers_of_ours():
+    """A user's subclass of torch.optim.AdamW reads fp32 moments as AdamW does: refused. A
+    wrapper that steps one of ours inside and shows its state (ZeroRedundancyOptimizer,
+    accelerate's AcceleratedOptimizer) is left alone (test_distributed_zero.py runs ZeRO)."""
+    params, opt = trained("AdamW")
+
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    class Forwarding(torch.optim.Optimizer):
+        def __init__(self, inner):
+            super().__init__([p for g in inner.param_groups for p in g["params"]], {})
+            self.inner = inner
+            self.state = inner.state
+
+        def step(self, closure=None):
+            return self.inner.step(closure)
+
+    mine = MyAdamW(clone_params(params))
+    mine.load_state_dict(copy.deepcopy(opt.state_dict()))
+    with pytest.raises(ValueError, match="MyAdamW holds PagedOptim's compressed state"):
+        mine.step()
+    set_grads(params, Grads([p.shape for p in params], 1, seed=3)[0])
+    Forwarding(opt).step()  # steps ours, whose state it shows: no refusal
 
 
 @pytest.mark.parametrize("case", TORCH_CASES)

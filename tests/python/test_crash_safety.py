@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from pagedoptim import atomic_file, checkpoint_stream
+from pagedoptim.checkpoint import atomic_file, stream as checkpoint_stream
 
 import crash_safety_child as child
 

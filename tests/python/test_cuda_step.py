@@ -48,8 +48,8 @@ from torch import nn
 import pagedoptim as po
 from gpu_target import TARGET, needs_cuda
 from pagedoptim._native import native
-from pagedoptim import interrupted_step
-from pagedoptim.optimizer import _StepBatch
+from pagedoptim.engine import interrupted_step
+from pagedoptim.optim.optimizer import _StepBatch
 
 GROUP = 32  # elements per quantization group (one fp16 scale each)
 

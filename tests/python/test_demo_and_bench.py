@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from pagedoptim import demo, progress
+from pagedoptim.cli import demo, progress
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -382,7 +382,7 @@ def _host_state_on_another_devices_mesh(rank, world_size):
     # tensor to the mesh's device, to CUDA there and to meta (losing the values) here.
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard
-    from pagedoptim import sharded_params
+    from pagedoptim.state import sharding as sharded_params
     mesh = DeviceMesh("meta", list(range(world_size)))
     local = torch.arange(8, dtype=torch.float32) + 8 * rank
     layout = sharded_params.ShardLayout(

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 import pagedoptim as po
-from pagedoptim import checkpoint_conversion
-from pagedoptim.checkpoint_algorithms import ADAMW
+from pagedoptim.checkpoint import conversion as checkpoint_conversion
+from pagedoptim.checkpoint.algorithms import ADAMW
 from conftest import FP32_TOL, max_abs, relative_error
 from ranks import run_ranks
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import pagedoptim as po
-from pagedoptim import env_settings, stand_ins
+from pagedoptim.integrations import stand_ins
+from pagedoptim.paging import env_settings
 from conftest import cuda_skip_reason
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from pagedoptim.demo import TinyCausalLM
+from pagedoptim.cli.demo import TinyCausalLM
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "fsdp2.py"
 

@@ -1,6 +1,6 @@
 """The one-flag route: PAGEDOPTIM_* settings from the environment, pagedoptim.patch() /
 unpatch(), and the classes that stand in for torch.optim.AdamW, Adam and SGD (reference:
-torch's own classes, from pagedoptim.patch.torch_class while patched)."""
+torch's own classes, from pagedoptim.integrations.patch.torch_class while patched)."""
 
 import copy
 import importlib.util
@@ -21,9 +21,10 @@ import torch
 import pagedoptim as po
 from conftest import (EXACT, FP32_TOL, SMALL_SHAPES, Grads, make_params, run_lockstep,
                       run_steps)
-from pagedoptim import env_settings
-from pagedoptim.patch import torch_class
-from pagedoptim.env_settings import EnvironmentSettingError, settings_from_environment
+from pagedoptim.paging import env_settings
+from pagedoptim.integrations import stand_ins
+from pagedoptim.integrations.patch import torch_class
+from pagedoptim.paging.env_settings import EnvironmentSettingError, settings_from_environment
 
 TORCH_NAMES = ("AdamW", "Adam", "SGD")
 
@@ -97,7 +98,7 @@ def test_settings_that_do_not_fit_together_name_the_variables(monkeypatch):
         po.patch()
     # ... and they are checked after the arguments of patch() are merged in.
     po.patch(offload="host")
-    assert torch.optim.AdamW is po.stand_ins.AdamW
+    assert torch.optim.AdamW is stand_ins.AdamW
     monkeypatch.setenv("PAGEDOPTIM_PAGE_BYTES", "1000")
     with pytest.raises(EnvironmentSettingError, match="page_bytes"):
         po.patch(offload="host")
@@ -175,7 +176,7 @@ def test_stand_ins_have_torch_defaults(name, patched):
 @pytest.mark.parametrize("name", TORCH_NAMES)
 def test_stand_ins_take_torch_signature(name):
     torch_parameters = inspect.signature(torch_class(name)).parameters
-    ours = inspect.signature(getattr(po.stand_ins, name)).parameters
+    ours = inspect.signature(getattr(stand_ins, name)).parameters
     for parameter in torch_parameters.values():
         if parameter.name in ("foreach", "fused", "capturable", "differentiable"):
             continue  # passed on through **kwargs
@@ -256,7 +257,7 @@ def test_patch_rejects_bad_settings_before_replacing_anything(monkeypatch):
 
 def test_unknown_keyword_arguments_are_passed_on_never_dropped(patched):
     """torch's foreach= and fused= reach our constructor, which takes them (our step is
-    always fused: groups record None, see pagedoptim/torch_flags.py) or raises naming
+    always fused: groups record None, see pagedoptim/optim/torch_flags.py) or raises naming
     them (capturable=True); an argument nobody knows raises."""
     opt = torch.optim.SGD(make_params([(3,)]), lr=0.1, foreach=False, fused=True)
     assert opt.param_groups[0]["foreach"] is None and opt.param_groups[0]["fused"] is None
@@ -362,7 +363,7 @@ def test_flag_patches_when_the_script_imports_pagedoptim_first(tmp_path):
     # pagedoptim imports torch half-way through its own import: the patch must wait for it.
     result = run_script("""
         import pagedoptim, torch
-        assert torch.optim.AdamW is pagedoptim.stand_ins.AdamW
+        assert torch.optim.AdamW is pagedoptim.integrations.stand_ins.AdamW
         """, tmp_path, PAGEDOPTIM="1")
     assert result.returncode == 0, result.stderr
 

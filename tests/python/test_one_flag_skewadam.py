@@ -9,7 +9,7 @@ import torch
 import transformers
 
 import pagedoptim as po
-from pagedoptim.owning_model import model_owning
+from pagedoptim.integrations.owning_model import model_owning
 from test_one_flag import run_script
 from test_skewadam_lm import corpus, make_model as tiny_mixtral, train
 from test_transformers_integration import training_args, train as train_with_trainer

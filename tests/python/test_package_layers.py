@@ -1,5 +1,5 @@
 """The package's compatibility across its own reorganisations: pickles of optimizers written
-by the version with flat modules (pagedoptim.adamw, pagedoptim.options, pagedoptim.stand_ins;
+by the version with flat modules (pagedoptim.optim.adamw, pagedoptim.paging.options, pagedoptim.integrations.stand_ins;
 tests/python/data/make_old_pickles.py) load and keep training."""
 
 from __future__ import annotations
@@ -36,3 +36,91 @@ def test_an_optimizer_pickled_by_the_flat_layout_loads_and_steps(path):
     opt.step()
     assert not counted or {int(opt.state[p]["step"]) for p in params} == {3}
     assert all(not torch.equal(p.detach(), b) for p, b in zip(params, before))
+
+
+# -- the layers ----------------------------------------------------------------------------
+
+PACKAGE = pathlib.Path(po.__file__).resolve().parent
+# Each layer imports only layers of a lower rank (and itself). integrations/ and reference/
+# share a rank and must not import each other: the library never imports its test oracles.
+RANKS = {"base": 0, "state": 1, "paging": 2, "engine": 3, "checkpoint": 4, "optim": 5,
+         "integrations": 6, "reference": 6, "cli": 7, "face": 8}
+# The modules at the package's top: the native module and its loader below every layer, the
+# package face (and `python -m pagedoptim`, and the old names' finder) above them all.
+TOP_LEVEL = {"_native": "base", "_validation": "base", "_C": "base", "__init__": "face",
+             "__main__": "face", "_moved_modules": "face"}
+
+
+def _layer_of_module(dotted: str) -> str:
+    """The layer of a module named pagedoptim.X[.Y]: X, or the face for `pagedoptim`."""
+    parts = dotted.split(".")
+    first = "__init__" if len(parts) == 1 else parts[1]
+    return TOP_LEVEL.get(first, first)
+
+
+def _imports_of(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, module) for every pagedoptim module `path` imports, at any depth of its code."""
+    import ast
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.startswith("pagedoptim")]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                and node.module.split(".")[0] == "pagedoptim":
+            for alias in node.names:
+                candidate = f"{node.module}.{alias.name}"
+                as_file = PACKAGE.joinpath(*candidate.split(".")[1:])
+                is_module = as_file.with_suffix(".py").exists() or as_file.is_dir() \
+                    or alias.name == "_C"
+                found.append((node.lineno, candidate if is_module else node.module))
+    return found
+
+
+def test_every_module_belongs_to_a_layer():
+    for path in PACKAGE.rglob("*.py"):
+        first = path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+        assert TOP_LEVEL.get(first, first) in RANKS, f"{path.relative_to(PACKAGE)} is in no layer"
+
+
+def test_every_import_points_down_the_layers():
+    """What the folder names promise: state/ < paging/ < engine/ < checkpoint/ < optim/ <
+    integrations/, reference/ < cli/ < the package face. A module may import its own layer
+    and the ones below, never one above, never the face."""
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE)
+        first = where.parts[0].removesuffix(".py")
+        layer = TOP_LEVEL.get(first, first)
+        for line, module in _imports_of(path):
+            target = _layer_of_module(module)
+            if target == layer:
+                continue
+            if RANKS[target] >= RANKS[layer]:
+                wrong.append(f"{where}:{line} ({layer}) imports {module} ({target})")
+    assert not wrong, "imports that point up or across the layers:\n" + "\n".join(wrong)
+
+
+# -- the native module's stub ----------------------------------------------------------------
+
+def _stub_names() -> tuple[set[str], set[str]]:
+    """(module-level names, PagedState members) that python/pagedoptim/_C.pyi declares."""
+    import ast
+    tree = ast.parse((PACKAGE / "_C.pyi").read_text())
+    top, members = set(), set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            top.add(node.name)
+        if isinstance(node, ast.ClassDef) and node.name == "PagedState":
+            members = {n.name for n in node.body
+                       if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
+    return top, members
+
+
+def test_the_native_stub_declares_every_binding():
+    """_C.pyi is generated (`pip install pybind11-stubgen; pybind11-stubgen pagedoptim._C -o
+    python`); a binding added or removed without regenerating it fails here."""
+    from pagedoptim._native import native
+    top, members = _stub_names()
+    public = {name for name in dir(native) if not name.startswith("_")}
+    assert top == public
+    assert members == {name for name in dir(native.PagedState) if not name.startswith("_")}

@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pagedoptim as po
-from pagedoptim import env_settings, paging
+from pagedoptim import paging
+from pagedoptim.paging import env_settings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -363,7 +364,7 @@ def test_names_and_paths_are_written_as_the_environment_writes_them(monkeypatch,
 
 
 def test_examples_take_sizes_with_units():
-    from pagedoptim.setting_text import byte_size_argument
+    from pagedoptim.paging.setting_text import byte_size_argument
     assert byte_size_argument("64KiB") == 65536
     result = subprocess.run([sys.executable, str(REPO / "examples" / "peft_lora.py"),
                              "--cache-bytes", "64XiB"], capture_output=True, text=True,

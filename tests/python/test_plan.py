@@ -27,7 +27,8 @@ import torch
 import transformers  # a test dependency (requirements-dev.txt): never a skip
 
 import pagedoptim as po  # noqa: E402
-from pagedoptim import machine_profile, memory_plan, model_shapes, paging, plan  # noqa: E402
+from pagedoptim import paging  # noqa: E402
+from pagedoptim.cli import machine_profile, memory_plan, model_shapes, plan
 from pagedoptim.__main__ import main as pagedoptim_main  # noqa: E402
 from pagedoptim.integrations.optim_args import parse_optim_args  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""pagedoptim.SkewAdam against the plain PyTorch reference (pagedoptim.reference_skewadam),
+"""pagedoptim.SkewAdam against the plain PyTorch reference (pagedoptim.reference.skewadam),
 its state_dict, its bf16 weight decay and its argument errors.
 
 Error measure: the parameters' change from their start, max|ours - ref| over the largest
@@ -19,7 +19,7 @@ import torch
 
 import pagedoptim as po
 from pagedoptim._native import native
-from pagedoptim.reference_skewadam import SkewAdamReference
+from pagedoptim.reference.skewadam import SkewAdamReference
 
 FP32_UPDATE_TOL = 1e-5
 EIGHT_BIT_UPDATE_TOL = 2 * 2 / 127

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import pagedoptim as po
-from pagedoptim.tiers import DEFAULT_TIER_PATTERNS, compile_tier_patterns, tier_of_name
+from pagedoptim.optim.tiers import DEFAULT_TIER_PATTERNS, compile_tier_patterns, tier_of_name
 
 import transformers  # a test dependency (requirements-dev.txt): never a skip
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import pagedoptim as po
-from pagedoptim.param_state import StaleStateWriteError
+from pagedoptim.state.param_state import StaleStateWriteError
 from conftest import FP32_TOL, relative_error
 
 EXACT = dict(state_bits=32, master_bits=None)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Mapping, Optional
 
-from pagedoptim.setting_text import (optional, parse_bool, parse_byte_size, parse_float,
+from pagedoptim.paging.setting_text import (optional, parse_bool, parse_byte_size, parse_float,
                                      parse_int)
 
 _PARSERS: dict[str, Callable[[str], Any]] = {

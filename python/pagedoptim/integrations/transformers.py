@@ -39,22 +39,22 @@ import torch
 from transformers import Trainer, TrainingArguments
 from transformers.training_args import OptimizerNames
 
-import pagedoptim
+from pagedoptim import optim
 from pagedoptim.integrations.optim_args import parse_optim_args
-from pagedoptim.optimizer import PagedOptimizer
+from pagedoptim.optim.optimizer import PagedOptimizer
 
 OPTIMIZERS: dict[str, type[PagedOptimizer]] = {
-    "pagedoptim_adamw": pagedoptim.AdamW,
-    "pagedoptim_lion": pagedoptim.Lion,
-    "pagedoptim_sgd": pagedoptim.SGD,
-    "pagedoptim_skewadam": pagedoptim.SkewAdam,
+    "pagedoptim_adamw": optim.AdamW,
+    "pagedoptim_lion": optim.Lion,
+    "pagedoptim_sgd": optim.SGD,
+    "pagedoptim_skewadam": optim.SkewAdam,
 }
 
 _TRANSFORMERS_NAMES = [name.value for name in OptimizerNames]
 
 # Which of TrainingArguments' Adam settings each optimizer takes (see the module docstring).
-_TAKES_ADAM_BETAS = (pagedoptim.AdamW, pagedoptim.SkewAdam)
-_TAKES_ADAM_EPSILON = (pagedoptim.AdamW,)
+_TAKES_ADAM_BETAS = (optim.AdamW, optim.SkewAdam)
+_TAKES_ADAM_EPSILON = (optim.AdamW,)
 
 
 def optimizer_cls_and_kwargs_from(
@@ -78,7 +78,7 @@ def optimizer_cls_and_kwargs_from(
     optimizer_cls = OPTIMIZERS[name]
     base = _kwargs_from_training_args(optimizer_cls, args) if args is not None else {}
     kwargs = parse_optim_args(optim_args, optimizer_cls, base)
-    if optimizer_cls is pagedoptim.SkewAdam:
+    if optimizer_cls is optim.SkewAdam:
         if model is None:
             raise ValueError(f"{name} needs model=: Trainer passes its parameters without "
                              "names, and SkewAdam's tiers come from "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedoptim.optimizer import PagedOptimizer
+from pagedoptim.optim.optimizer import PagedOptimizer
 
 
 def unwrap_optimizer(optimizer: Any) -> PagedOptimizer:

@@ -1,0 +1,290 @@
+"""save_checkpoint / load_checkpoint: an optimizer's state to a file and back, page by page.
+
+state_dict() gathers every moment into memory, so state larger than RAM (what NVMe paging
+is for) cannot be saved through it. These functions move the state between the engine's
+pages and a file (pagedoptim/checkpoint/format.py, docs/checkpoint_format.md) one record
+at a time: a record holds every stream of one element range of one param (about one page
+of state), read from / written to the pages with PagedState.read_stream_range /
+write_stream_range, which pin one page at a time. Memory beyond the optimizer's own page
+cache: one record buffer (record_bytes, the optimizer's page size) and the header (a few
+hundred bytes per param). See docs/reliability.md, "Checkpoints".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+from typing import Any, Iterator, Union
+
+import torch
+
+from pagedoptim.checkpoint import atomic_file, format as checkpoint_format
+
+from pagedoptim.state import sharding as sharded_params
+from pagedoptim.checkpoint.format import (CheckpointError, Header, ParamEntry, SlotEntry,
+                                          StreamEntry, dtype_name)
+from pagedoptim.state.param_state import ParamState, StateMap
+
+PathLike = Union[str, os.PathLike]
+
+# Records of at most this many bytes when the optimizer has no engine yet (no state).
+DEFAULT_RECORD_BYTES = 2 << 20
+
+
+def _check_local(opt: Any, action: str) -> None:
+    for index, p in enumerate(opt._indexed_params()):
+        if sharded_params.is_dtensor(p):
+            raise ValueError(f"{action}: param {index} is a DTensor; a streaming checkpoint "
+                             "holds one process's state, and sharded state is saved with "
+                             "torch.distributed.checkpoint (pagedoptim.dcp)")
+
+
+def _stream_entries(specs: list[Any]) -> tuple[StreamEntry, ...]:
+    return tuple(StreamEntry(spec.name, dtype_name(spec.dtype), spec.bytes_per_group,
+                             spec.per_group) for spec in specs)
+
+
+def _stream_format(opt: Any) -> dict[str, Any]:
+    return {"state_bits": opt._options.state_bits, "master_bits": opt._options.master_bits,
+            "group_size": checkpoint_format.GROUP_SIZE}
+
+
+def _build_header(opt: Any) -> tuple[Header, list[list[int]]]:
+    """The header of `opt`'s checkpoint, and per position the engine slots of its records."""
+    params = opt._indexed_params()
+    first_position: dict[int, int] = {}
+    entries, engine_slots = [], []
+    for position, p in enumerate(params):
+        alias = first_position.setdefault(id(p), position)
+        value = dict.get(opt.state, p)  # dict.get: no entry is made for p
+        slots: list[SlotEntry] = []
+        numbers: list[int] = []
+        if alias == position and opt._engine is not None:
+            for role, slot, numel, specs in opt._checkpoint_slots(p):
+                slots.append(SlotEntry(role, numel, _stream_entries(specs)))
+                numbers.append(slot)
+        state = hidden = None
+        if alias == position and isinstance(value, ParamState):
+            state = value.plain_items()
+            hidden = value.hidden_step()
+        entries.append(ParamEntry(tuple(sharded_params.local_tensor(p).shape),
+                                  dtype_name(p.dtype), None if alias == position else alias,
+                                  state, hidden, tuple(slots)))
+        engine_slots.append(numbers)
+    groups = []
+    for group in opt.param_groups:
+        packed = {k: v for k, v in group.items() if k != "params"}
+        packed["params"] = [first_position[id(p)] for p in group["params"]]
+        groups.append(packed)
+    other = [(k, v) for k, v in opt.state.items() if not isinstance(k, torch.Tensor)]
+    record_bytes = opt._page_bytes if opt._page_bytes is not None else DEFAULT_RECORD_BYTES
+    record_bytes = min(max(record_bytes, checkpoint_format.MIN_RECORD_BYTES),
+                       checkpoint_format.MAX_RECORD_BYTES)
+    saved_with = {"offload": opt.paging_stats().get("offload"),
+                  "page_bytes": opt._page_bytes}
+    header = Header(opt._kind, type(opt).__name__, _stream_format(opt), record_bytes, groups,
+                    tuple(entries), other, saved_with)
+    return header, engine_slots
+
+
+def save(opt: Any, path: PathLike) -> None:
+    """opt.save_checkpoint(path): see PagedOptimizer.save_checkpoint."""
+    _check_local(opt, "save_checkpoint")
+    opt.state.sync()
+    path = pathlib.Path(path)
+    header, engine_slots = _build_header(opt)
+    buffer = torch.empty(checkpoint_format.max_payload_bytes(header), dtype=torch.uint8)
+    view = memoryview(buffer.numpy())
+    # Each record with its reads: (engine slot, stream, offset in the stream, offset in the
+    # payload, bytes).
+    records = [(spec, [(engine_slots[spec.param][spec.slot], name, offset, at, size)
+                       for name, offset, at, size in checkpoint_format.record_parts(header, spec)])
+               for spec in checkpoint_format.expected_records(header)]
+    with atomic_file.atomic_write(path) as handle, _reading_ahead(opt, records):
+        checkpoint_format.write_header(handle, header)
+        writer = checkpoint_format.RecordWriter(handle)
+        for spec, reads in records:
+            for engine_slot, name, offset, at, size in reads:
+                opt._engine.read_stream_range(engine_slot, name, offset, buffer[at:at + size])
+            writer.write(spec, view[:spec.payload_bytes])
+        writer.finish()
+
+
+@contextlib.contextmanager
+def _reading_ahead(opt: Any, records: list[tuple[Any, list[tuple]]]) -> Iterator[None]:
+    """The pages of the records' reads, in record order, as the page store's plan while
+    they are read: a store paged to NVMe reads ahead of the copies (with the engine's
+    prefetch depth) while this thread writes the file, where it would otherwise read each
+    page only when its record reaches it. The plan ends with the save, whether it completes
+    or raises."""
+    if opt._engine is None or not records:
+        yield
+        return
+    opt._engine.plan_stream_ranges([(engine_slot, name, offset, size)
+                                    for _, reads in records
+                                    for engine_slot, name, offset, _, size in reads])
+    try:
+        yield
+    finally:
+        opt._engine.plan_stream_ranges([])
+
+
+def read_header(path: PathLike) -> Header:
+    """The checked header of the checkpoint at `path` (CheckpointError naming the file)."""
+    path = pathlib.Path(path)
+    with open(path, "rb") as handle:
+        try:
+            return checkpoint_format.read_header(handle)
+        except CheckpointError as error:
+            raise CheckpointError(f"{path}: {error}") from None
+
+
+def verify(path: PathLike) -> Header:
+    """Reads the whole checkpoint at `path`, checking every record; returns its header."""
+    path = pathlib.Path(path)
+    with open(path, "rb") as handle:
+        try:
+            header = checkpoint_format.read_header(handle)
+            checkpoint_format.check_length(handle, header)
+            buffer = memoryview(bytearray(checkpoint_format.max_payload_bytes(header)))
+            for _ in checkpoint_format.iter_records(handle, header, buffer):
+                pass
+        except CheckpointError as error:
+            raise CheckpointError(f"{path}: {error}") from None
+    return header
+
+
+def _is_step_count(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_matches(opt: Any, header: Header, path: pathlib.Path) -> None:
+    """What the header says must fit this optimizer before anything is loaded."""
+    name = type(opt).__name__
+    if header.algorithm != opt._kind:
+        raise ValueError(f"{path} holds the state of a {header.optimizer} ('{header.algorithm}'), "
+                         f"not of a {name} ('{opt._kind}')")
+    ours = _stream_format(opt)
+    differences = [f"{key} {header.stream_format.get(key)!r} in the checkpoint, {ours[key]!r} "
+                   "here" for key in ours if header.stream_format.get(key) != ours[key]]
+    differences += [f"{key} {value!r} in the checkpoint, unknown here"
+                    for key, value in header.stream_format.items() if key not in ours]
+    if differences:
+        raise ValueError(f"{path} was saved in another state format ({'; '.join(differences)}): "
+                         "a streaming checkpoint loads into the stream format that saved it. "
+                         "To convert between formats, load it into an optimizer of its format "
+                         f"and move the state with state_dict() / load_state_dict()")
+    groups = opt.param_groups
+    if len(groups) != len(header.param_groups):
+        raise ValueError(f"{path} has {len(header.param_groups)} parameter groups, this "
+                         f"{name} has {len(groups)}")
+    for index, (group, saved) in enumerate(zip(groups, header.param_groups)):
+        if len(group["params"]) != len(saved["params"]):
+            raise ValueError(f"{path}: parameter group {index} has {len(saved['params'])} "
+                             f"params in the checkpoint, {len(group['params'])} here")
+    params = opt._indexed_params()
+    if len(params) != len(header.params):
+        raise ValueError(f"{path} holds {len(header.params)} params, this {name} has "
+                         f"{len(params)}")
+    first_position: dict[int, int] = {}
+    for position, (p, entry) in enumerate(zip(params, header.params)):
+        alias = first_position.setdefault(id(p), position)
+        shape = tuple(sharded_params.local_tensor(p).shape)
+        if entry.shape != shape or entry.dtype != dtype_name(p.dtype):
+            raise ValueError(f"{path}: param {position} is {list(entry.shape)} {entry.dtype} "
+                             f"in the checkpoint, {list(shape)} {dtype_name(p.dtype)} here")
+        if (entry.alias_of is None) != (alias == position) or (
+                entry.alias_of is not None and entry.alias_of != alias):
+            raise ValueError(f"{path}: param {position} is given twice in one optimizer but "
+                             "not in the other")
+    for position, entry in enumerate(header.params):
+        step = (entry.state or {}).get("step")
+        if step is not None and not _is_step_count(step):
+            raise CheckpointError(f"{path}: the step of param {position} is {step!r}, not a "
+                                  "number or a one-element real tensor")
+    for index, saved in enumerate(header.param_groups):
+        positions = saved["params"]
+        ours_positions = [first_position[id(p)] for p in groups[index]["params"]]
+        if positions != ours_positions:
+            raise ValueError(f"{path}: parameter group {index} lists params {positions} in "
+                             f"the checkpoint, {ours_positions} here")
+
+
+def _check_slots(opt: Any, p: torch.Tensor, position: int, entry: ParamEntry,
+                 path: pathlib.Path) -> list[int]:
+    """The engine slots the staging engine gave p, checked against the saved ones."""
+    ours = opt._checkpoint_slots(p)
+    mine = [(role, numel, _stream_entries(specs)) for role, _, numel, specs in ours]
+    saved = [(slot.role, slot.numel, slot.streams) for slot in entry.slots]
+    if mine != saved:
+        describe = lambda slots: [(role, numel, [s.name for s in streams])  # noqa: E731
+                                  for role, numel, streams in slots]
+        raise ValueError(f"{path}: param {position} keeps state {describe(saved)} in the "
+                         f"checkpoint, this optimizer lays out {describe(mine)} for it with "
+                         "the checkpoint's hyperparameters")
+    return [slot for _, slot, _, _ in ours]
+
+
+def load(opt: Any, path: PathLike) -> None:
+    """opt.load_checkpoint(path): see PagedOptimizer.load_checkpoint."""
+    _check_local(opt, "load_checkpoint")
+    path = pathlib.Path(path)
+    opt.state.sync()
+    with open(path, "rb") as handle:
+        try:
+            header = checkpoint_format.read_header(handle)
+            checkpoint_format.check_length(handle, header)
+        except CheckpointError as error:
+            raise CheckpointError(f"{path}: {error}") from None
+        _check_matches(opt, header, path)
+        # The checkpoint's groups over our params, validated as load_state_dict does.
+        param_groups = [opt._loaded_group(group, dict(saved), index)
+                        for index, (group, saved)
+                        in enumerate(zip(opt.param_groups, header.param_groups))]
+        params = opt._indexed_params()
+        # Staging: the state is loaded into a new engine while the old one is kept; only
+        # when every record checked out does the optimizer keep the new one.
+        before = dict(opt.__dict__)
+        try:
+            opt.param_groups = param_groups
+            opt._on_groups_loaded()
+            opt._forget_engine()
+            opt.state = StateMap(opt)
+            slots: dict[int, list[int]] = {}
+            for position, entry in enumerate(header.params):
+                if entry.slots:
+                    opt._slot(params[position])
+                    slots[position] = _check_slots(opt, params[position], position, entry,
+                                                   path)
+            buffer = torch.empty(checkpoint_format.max_payload_bytes(header), dtype=torch.uint8)
+            view = memoryview(buffer.numpy())
+            try:
+                for spec, payload in checkpoint_format.iter_records(handle, header, view):
+                    engine_slot = slots[spec.param][spec.slot]
+                    for name, offset, at, size in checkpoint_format.record_parts(header, spec):
+                        opt._engine.write_stream_range(engine_slot, name, offset,
+                                                       buffer[at:at + size])
+            except CheckpointError as error:
+                raise CheckpointError(f"{path}: {error}") from None
+            for key, value in header.other_state:
+                opt.state[key] = value
+            for position, entry in enumerate(header.params):
+                if entry.state is None:
+                    continue
+                entries = dict(entry.state)
+                if not opt._step_in_state:
+                    entries.pop("step", None)
+                    if entry.hidden_step is not None:
+                        entries["step"] = entry.hidden_step
+                opt._load_plain_state(params[position], entries, bool(entry.slots))
+        except BaseException:
+            opt.__dict__.clear()
+            opt.__dict__.update(before)
+            raise
+    # Copies handed out from the old state no longer hold the optimizer's state.
+    opt.state.take_over(before["state"])
+    opt._step_counter_replaced()
+
