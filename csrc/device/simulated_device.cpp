@@ -1,4 +1,5 @@
 #include "device/simulated_device.h"
+#include "pagedoptim/thread_start.h"
 
 #include <algorithm>
 #include <chrono>
@@ -36,7 +37,7 @@ struct SimulatedDevice::Worker {
   std::thread thread;
 
   Worker(uint64_t seed, int max_delay_us, int stall_one_in) {
-    thread = std::thread(
+    thread = start_thread(
         [this, seed, max_delay_us, stall_one_in] { run(seed, max_delay_us, stall_one_in); });
   }
 

@@ -5,6 +5,7 @@
 #include <system_error>
 
 #include "io/blocking_transfer.h"
+#include "pagedoptim/thread_start.h"
 #include "io/request_check.h"
 
 namespace pagedoptim::io {
@@ -25,7 +26,7 @@ std::unique_ptr<PosixEngine> PosixEngine::create(uint32_t queue_depth, uint32_t 
   try {
     engine->workers_.reserve(count);
     for (uint32_t i = 0; i < count; ++i) {
-      engine->workers_.emplace_back([e = engine.get()] { e->run_worker(); });
+      engine->workers_.push_back(start_thread([e = engine.get()] { e->run_worker(); }));
     }
   } catch (const std::system_error&) {
     return fail(-EAGAIN);

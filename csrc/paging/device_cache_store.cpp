@@ -1,4 +1,5 @@
 #include "pagedoptim/paging/device_cache_store.h"
+#include "pagedoptim/thread_start.h"
 
 #include <algorithm>
 #include <stdexcept>
@@ -44,7 +45,7 @@ DeviceCacheStore::DeviceCacheStore(device::Device& device, std::unique_ptr<PageS
   to_host_ = device_.create_stream();
   compute_done_ = device_.create_event(false);
   sync_event_ = device_.create_event(false);
-  retirer_ = std::thread([this] { retirer_loop(); });
+  retirer_ = start_thread([this] { retirer_loop(); });  // last: nothing after it throws
 }
 
 DeviceCacheStore::~DeviceCacheStore() {

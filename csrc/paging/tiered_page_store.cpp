@@ -11,6 +11,7 @@
 
 #include "pagedoptim/io/crc32c.h"
 #include "pagedoptim/paging/page_errors.h"
+#include "pagedoptim/thread_start.h"
 
 namespace pagedoptim::paging {
 namespace {
@@ -53,8 +54,13 @@ TieredPageStore::TieredPageStore(const TieredStoreOptions& options,
                                 std::to_string(options.read_attempts));
   }
   counters_.policy = eviction_policy_name(options.policy);
-  submitter_ = std::thread([this] { submitter_loop(); });
-  reaper_ = std::thread([this] { reaper_loop(); });
+  submitter_ = start_thread([this] { submitter_loop(); });
+  try {
+    reaper_ = start_thread([this] { reaper_loop(); });
+  } catch (...) {
+    stop_threads();  // a joinable submitter_ destroyed by the unwinding would terminate
+    throw;
+  }
 }
 
 TieredPageStore::~TieredPageStore() {
@@ -63,12 +69,19 @@ TieredPageStore::~TieredPageStore() {
     // The tier may still be writing into (or reading from) cache slots: they must outlive
     // every request, so the threads stop only once nothing is in flight.
     state_cv_.wait(lock, [&] { return idle_locked(); });
+  }
+  stop_threads();
+}
+
+void TieredPageStore::stop_threads() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
   }
   work_cv_.notify_all();
   reap_cv_.notify_all();
-  submitter_.join();
-  reaper_.join();
+  if (submitter_.joinable()) submitter_.join();
+  if (reaper_.joinable()) reaper_.join();
 }
 
 bool TieredPageStore::idle_locked() const {

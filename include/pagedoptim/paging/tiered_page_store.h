@@ -133,6 +133,9 @@ class TieredPageStore final : public PageStore {
   void fail_in_flight_locked(int err);
   void finish_plan_locked(std::unique_lock<std::mutex>& lock);
   bool idle_locked() const;
+  // Sets stopping_, wakes both threads and joins those that were started (also when the
+  // constructor failed to start the second).
+  void stop_threads();
   void submitter_loop();
   void reaper_loop();
 

@@ -11,6 +11,7 @@
 #include <tuple>
 
 #include "pagedoptim/io/crc32c.h"
+#include "pagedoptim/thread_start.h"
 #include "test_io_util.h"
 
 namespace pagedoptim::io {
@@ -375,6 +376,21 @@ TEST_P(Engine, DestroyWithRequestsInFlight) {
 
 INSTANTIATE_TEST_SUITE_P(Backends, Engine, ::testing::Values(Backend::kPosix, Backend::kIoUring),
                          test::backend_param_name);
+
+// A worker thread that cannot start: no engine (EAGAIN), the workers already started
+// joined, the process alive; the next engine starts.
+TEST(Factory, PosixWorkerThatCannotStartIsEagainWithTheOthersJoined) {
+  EngineOptions options;
+  options.backend = Backend::kPosix;
+  options.queue_depth = 16;
+  options.posix_threads = 4;
+  pagedoptim::testing::fail_thread_start(3);
+  int err = 0;
+  EXPECT_EQ(make_io_engine(options, &err), nullptr);
+  EXPECT_EQ(err, -EAGAIN);
+  pagedoptim::testing::fail_thread_start(0);
+  EXPECT_NE(make_io_engine(options, &err), nullptr);
+}
 
 TEST(Factory, PosixOnRequest) {
   auto engine = test::make_engine(Backend::kPosix, 16);

@@ -22,6 +22,7 @@
 
 #include "paging_test_util.h"
 #include "pagedoptim/paging/page_errors.h"
+#include "pagedoptim/thread_start.h"
 
 namespace pagedoptim::paging {
 namespace {
@@ -304,6 +305,28 @@ TEST(TieredPageStore, ReadsInFlightStayWithinThePrefetchDepth) {
       EXPECT_GT(store.stats().reads, 0);
       EXPECT_LE(probe.max_reads_in_flight(), prefetch + 1);
     }
+  }
+}
+
+// The system out of threads (EAGAIN) while the store starts its second thread: the
+// constructor throws with the first stopped and joined. Before, the unwinding destroyed a
+// joinable std::thread and std::terminate ended the process ("terminate called without an
+// active exception", seen once on a rank of a distributed test on two busy cores).
+TEST(TieredPageStore, AThreadThatCannotStartMakesTheConstructorThrowLeavingNoThread) {
+  for (int nth : {1, 2}) {
+    pagedoptim::testing::fail_thread_start(nth);
+    EXPECT_THROW(make_store("host", "", 4, 2, EvictionPolicy::kPlan), std::system_error)
+        << "failing start " << nth;
+    pagedoptim::testing::fail_thread_start(0);
+  }
+  auto store = make_store("host", "", 4, 2, EvictionPolicy::kPlan);  // and then it works
+  store->grow(8);
+  std::vector<int32_t> plan = {0, 1, 2, 3, 4, 5, 6, 7};
+  for (int step = 0; step < 2; ++step) {
+    run_step(*store, plan, [&](int32_t page, std::byte* bytes) {
+      if (step == 0) fill_page(bytes, kPageBytes, page, 1);
+      else EXPECT_TRUE(page_matches(bytes, kPageBytes, page, 1)) << page;
+    });
   }
 }
 
