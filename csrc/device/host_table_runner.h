@@ -11,16 +11,19 @@
 #pragma once
 
 #include <barrier>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <thread>
 #include <vector>
 
 #include "kernels/table/visit_body.h"
 #include "pagedoptim/optim/table_runner.h"
+#include "pagedoptim/thread_start.h"
 
 namespace pagedoptim::kernels::emulation {
 
@@ -83,17 +86,46 @@ struct HostLane {
 };
 
 // Runs body(lane) for every lane of a grid of `warps` warps, each lane on its own thread.
+// The lanes of a warp wait for each other (WarpExchange), so none runs its body before every
+// lane has started: if a thread cannot start (EAGAIN under load), the started ones are
+// released without running, joined, and the error rethrown, instead of leaving a warp
+// waiting forever for its missing lane, or a joinable thread to std::terminate.
 template <class Body>
 void emulate_grid(int warps, const Body& body) {
   std::vector<WarpExchange> exchanges(static_cast<size_t>(warps));
-  std::vector<std::thread> lanes;
-  for (int w = 0; w < warps; ++w) {
-    for (int l = 0; l < kGroupSize; ++l) {
-      lanes.emplace_back([&body, &exchanges, w, l, warps] {
-        body(HostLane{l, w, warps, &exchanges[size_t(w)]});
-      });
+  std::mutex mutex;
+  std::condition_variable started_cv;
+  bool released = false;
+  bool abandoned = false;
+  auto release = [&](bool abandon) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      released = true;
+      abandoned = abandon;
     }
+    started_cv.notify_all();
+  };
+  std::vector<std::thread> lanes;
+  lanes.reserve(static_cast<size_t>(warps) * kGroupSize);
+  try {
+    for (int w = 0; w < warps; ++w) {
+      for (int l = 0; l < kGroupSize; ++l) {
+        lanes.push_back(start_thread([&, w, l] {
+          {
+            std::unique_lock<std::mutex> lock(mutex);
+            started_cv.wait(lock, [&] { return released; });
+            if (abandoned) return;
+          }
+          body(HostLane{l, w, warps, &exchanges[size_t(w)]});
+        }));
+      }
+    }
+  } catch (...) {
+    release(/*abandon=*/true);
+    for (std::thread& lane : lanes) lane.join();
+    throw;
   }
+  release(/*abandon=*/false);
   for (std::thread& lane : lanes) lane.join();
 }
 

@@ -6,11 +6,13 @@
 // and several variants in one call.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <memory>
 #include <random>
 #include <string>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -18,6 +20,7 @@
 #include "device/simulated_table_runner.h"
 #include "emulation_util.h"
 #include "device/host_table_runner.h"
+#include "pagedoptim/thread_start.h"
 #include "pagedoptim/codec/float_convert.h"
 #include "pagedoptim/optim/paged_state.h"
 #include "pagedoptim/paging/device_cache_store.h"
@@ -368,6 +371,24 @@ std::vector<Config> all_variants() {
     }
   }
   return configs;
+}
+
+// A lane thread that cannot start (EAGAIN under load): the grid throws, no lane ran its body
+// (a warp missing a lane would wait at its first exchange forever), every started lane is
+// joined, and the next grid runs whole.
+TEST(TableEmulation, AGridWhoseLaneCannotStartThrowsWithNoLaneRun) {
+  std::atomic<int> ran{0};
+  auto body = [&](const kernels::emulation::HostLane& lane) {
+    float all[kGroupSize];
+    lane.gather(float(lane.lane()), all);  // every lane of the warp meets here
+    ran.fetch_add(1);
+  };
+  pagedoptim::testing::fail_thread_start(kGroupSize + 7);  // in the second warp
+  EXPECT_THROW(kernels::emulation::emulate_grid(2, body), std::system_error);
+  pagedoptim::testing::fail_thread_start(0);
+  EXPECT_EQ(ran.load(), 0);
+  kernels::emulation::emulate_grid(2, body);
+  EXPECT_EQ(ran.load(), 2 * kGroupSize);
 }
 
 TEST(TableEmulation, EveryVariantMatchesTheCpuKernelsByteForByte) {
