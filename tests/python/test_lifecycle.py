@@ -239,9 +239,8 @@ def test_device_cached_optimizers_give_back_every_device_resource(offload, tmp_p
             opt.step()
         return held
 
-    # What earlier tests in this process still hold stays out of the count: a release_grads
-    # optimizer lives on through its params' hooks, and the GPU test modules run
-    # on this same simulated device.
+    # What earlier tests in this process still hold stays out of the count: the GPU test
+    # modules run on this same simulated device.
     gc.collect()
     before = usage()
     with paging.simulated_device():

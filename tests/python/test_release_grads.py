@@ -165,3 +165,50 @@ def test_grad_scaler_is_refused_before_any_param_changes(net):
     opt.step()
     assert any(not torch.equal(p, old) for p, old in zip(model.parameters(), before))
 
+
+
+def _released_steps(model, opt, first, count):
+    for step in range(first, first + count):
+        loss_of(model, step).backward()
+        opt.step()
+
+
+def test_a_deleted_release_optimizer_is_collected_and_a_new_one_on_the_same_params_steps():
+    """The hooks hold their optimizer weakly. Before, a deleted optimizer lived on through
+    its params' hooks, stepped them with its old lr inside every backward and freed their
+    gradients, so a new optimizer on the same params never stepped."""
+    import gc
+    import weakref
+    model = Net(torch.float32)
+    old = po.AdamW(model.parameters(), lr=1e-2, release_grads=True)
+    _released_steps(model, old, 0, 2)
+    gone = weakref.ref(old)
+    del old
+    gc.collect()
+    assert gone() is None
+
+    twin = Net(torch.float32)
+    twin.load_state_dict(model.state_dict())
+    new = po.AdamW(model.parameters(), lr=5e-2, release_grads=True)
+    fresh = po.AdamW(twin.parameters(), lr=5e-2, release_grads=True)
+    _released_steps(model, new, 2, 2)
+    _released_steps(twin, fresh, 2, 2)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), name
+    assert all(int(new.state[p]["step"]) == 2 for p in model.parameters())
+
+
+def test_a_newer_release_optimizer_takes_the_params_of_a_live_one_and_says_so():
+    model = Net(torch.float32)
+    old = po.AdamW(model.parameters(), lr=1e-2, release_grads=True)
+    _released_steps(model, old, 0, 1)
+    with pytest.warns(RuntimeWarning, match="takes over releasing the gradients"):
+        new = po.AdamW(model.parameters(), lr=1e-2, release_grads=True)
+    _released_steps(model, new, 1, 1)
+    assert all(int(old.state[p]["step"]) == 1 for p in model.parameters())  # not stepped again
+    assert all(int(new.state[p]["step"]) == 1 for p in model.parameters())
+    new.close()
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        po.AdamW(model.parameters(), lr=1e-2, release_grads=True)  # a closed one lets go

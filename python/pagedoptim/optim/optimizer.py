@@ -25,7 +25,7 @@ from pagedoptim import paging
 
 from pagedoptim.checkpoint import stream as checkpoint_stream
 
-from pagedoptim.engine import compiled_step, interrupted_step, release_guard
+from pagedoptim.engine import compiled_step, interrupted_step, release_guard, release_hooks
 
 from pagedoptim.optim import torch_flags, trainer_route_check
 
@@ -229,10 +229,9 @@ class PagedOptimizer(torch.optim.Optimizer):
     def _register_release_hooks(self, params: list[torch.Tensor]) -> None:
         # Once per param: a param given twice in a group is stepped once per backward here
         # (each backward completes its gradient once), where step() would step it twice.
-        for p in dict.fromkeys(params):
-            if p.requires_grad:
-                self._release_hooks.append(
-                    p.register_post_accumulate_grad_hook(self._step_released))
+        # The hooks hold this optimizer weakly (engine/release_hooks.py).
+        self._release_hooks += release_hooks.claim(
+            self, params, lambda optimizer, p: optimizer._step_released(p))
 
     # -- the step --------------------------------------------------------------------------
 
