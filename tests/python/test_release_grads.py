@@ -212,3 +212,54 @@ def test_a_newer_release_optimizer_takes_the_params_of_a_live_one_and_says_so():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         po.AdamW(model.parameters(), lr=1e-2, release_grads=True)  # a closed one lets go
+
+
+def test_a_param_unfrozen_after_construction_is_stepped_from_then_on():
+    """It had no release hook: its gradient grew over the steps and it never moved. Now
+    step() steps it (as the ordinary path would) and hooks it, so later backwards release
+    it. Checked against the same run without release, bit for bit."""
+    def run(release):
+        model = Net(torch.float32)
+        model.hidden.weight.requires_grad_(False)
+        opt = po.AdamW(model.parameters(), lr=1e-2, release_grads=release,
+                       state_bits=32, master_bits=None)
+        for step in range(4):
+            if step == 1:
+                model.hidden.weight.requires_grad_(True)
+            loss_of(model, step).backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+    released, opt = run(True)
+    plain, _ = run(False)
+    assert int(opt.state[released.hidden.weight]["step"]) == 3
+    for (name, p), q in zip(released.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), name
+    assert released.hidden.weight.grad is None
+
+
+def test_zero_grad_ends_the_round_so_a_backward_that_raised_can_be_retried():
+    """A backward that raises midway (an out-of-memory error; Trainer's auto_find_batch_size
+    retries) leaves the params it had stepped stepped. The retry after zero_grad() runs;
+    without zero_grad the error says to call it."""
+    model = Net(torch.float32)
+    opt = po.AdamW(model.parameters(), lr=1e-2, release_grads=True)
+    calls = []
+
+    def out_of_memory_on_the_second(grad):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+        return grad
+    handle = model.embed.weight.register_hook(out_of_memory_on_the_second)
+    with pytest.raises(torch.OutOfMemoryError):
+        loss_of(model, 0).backward()
+    stepped = [name for name, p in model.named_parameters() if p in opt.state]
+    assert stepped and len(stepped) < len(list(model.parameters()))  # half applied
+    with pytest.raises(RuntimeError, match="call zero_grad\\(\\) before retrying"):
+        loss_of(model, 0).backward()
+    opt.zero_grad()
+    loss_of(model, 0).backward()
+    opt.step()
+    handle.remove()
+    assert all(p.grad is None for p in model.parameters())

@@ -92,6 +92,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._shard_layouts: dict[torch.Tensor, sharded_params.ShardLayout] = {}
         self._release_hooks: list[Any] = []
         self._released_this_round: set[int] = set()
+        self._hooked: set[int] = set()  # ids of the params with a release hook
         self._interrupted: Optional[interrupted_step.Interrupted] = None
         self._closed = False
         if isinstance(params, (set, frozenset)):
@@ -229,9 +230,12 @@ class PagedOptimizer(torch.optim.Optimizer):
     def _register_release_hooks(self, params: list[torch.Tensor]) -> None:
         # Once per param: a param given twice in a group is stepped once per backward here
         # (each backward completes its gradient once), where step() would step it twice.
-        # The hooks hold this optimizer weakly (engine/release_hooks.py).
+        # The hooks hold this optimizer weakly (engine/release_hooks.py). A param frozen
+        # now gets its hook when it first has a gradient (_finish_released_round).
+        hooked = [p for p in params if p.requires_grad]
         self._release_hooks += release_hooks.claim(
-            self, params, lambda optimizer, p: optimizer._step_released(p))
+            self, hooked, lambda optimizer, p: optimizer._step_released(p))
+        self._hooked.update(id(p) for p in hooked)
 
     # -- the step --------------------------------------------------------------------------
 
@@ -486,7 +490,9 @@ class PagedOptimizer(torch.optim.Optimizer):
                 "release_grads=True steps each parameter inside backward and frees its "
                 "gradient, so gradients cannot accumulate over several backward calls: call "
                 "optimizer.step() after every backward (it ends the round), or use "
-                "release_grads=False for gradient accumulation")
+                "release_grads=False for gradient accumulation. If the previous backward "
+                "raised midway (out of memory, say), call zero_grad() before retrying: the "
+                "params it had stepped already keep that update")
         if not self._released_this_round:  # a backward's first release: what holds for all
             _refuse_cuda_graph_capture()
             release_guard.check_backward_not_scaled()
@@ -524,8 +530,32 @@ class PagedOptimizer(torch.optim.Optimizer):
             raise RuntimeError("GradScaler cannot be used with release_grads=True: it "
                                "unscales and checks gradients before the step, but with "
                                "gradient release they are applied and freed inside backward")
+        self._step_unreleased_grads()
         self._released_this_round.clear()
         return None
+
+    def _step_unreleased_grads(self) -> None:
+        """Steps, as step() would, every param that has a gradient no hook released: a param
+        frozen at construction and unfrozen since (it had no hook, so its gradient grew over
+        the steps and it never moved), or a gradient set by hand. It gets its hook now, so
+        from the next backward on it is released like the others."""
+        late = [(p, group_id, p.grad, {}) for group_id, group in enumerate(self.param_groups)
+                for p in group["params"] if p.grad is not None]
+        if not late:
+            return
+        self._step_params(late, {})  # GradScaler was refused above
+        for p, _, _, _ in late:
+            p.grad = None
+        self._register_release_hooks([p for p, _, _, _ in late if id(p) not in self._hooked])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's zero_grad; with release_grads=True it also ends the round, as step()
+        does, so a backward that raised midway (out of memory, say) can be retried after
+        it. The params that backward had already stepped keep that update: a release step
+        cannot be undone."""
+        super().zero_grad(set_to_none)
+        if self._options.release_grads:
+            self._released_this_round.clear()
 
     # -- the engine ------------------------------------------------------------------------
 
@@ -1037,6 +1067,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._shard_layouts = {}
         self._release_hooks = []
         self._released_this_round = set()
+        self._hooked = set()
         self._interrupted = None
         self.state = StateMap(self)
         params = self._indexed_params()
