@@ -39,8 +39,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 
+from pagedoptim.cli.process_memory import peak_rss_bytes, rss_bytes
 from utils import emit, run_child
 
 CONFIGS = {
@@ -52,15 +52,6 @@ CONFIGS = {
     "ours_32bit_fp32": dict(optimizer="ours", dtype="float32", state_bits=32, master_bits=None),
 }
 WIDTH, HIDDEN, STEPS = 2048, 4096, 3
-
-
-def current_rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
 def tensor_bytes(tensors) -> int:
@@ -75,7 +66,7 @@ def measure(name: str, layers: int) -> dict:
 
     config = CONFIGS[name]
     torch.manual_seed(0)
-    rss_before = current_rss_bytes()
+    rss_before = rss_bytes()
     dtype = getattr(torch, config["dtype"])
     blocks = []
     for _ in range(layers):
@@ -84,7 +75,7 @@ def measure(name: str, layers: int) -> dict:
     model = torch.nn.Sequential(*blocks)
     params = list(model.parameters())
     num_params = sum(p.numel() for p in params)
-    rss_model = current_rss_bytes()
+    rss_model = rss_bytes()
 
     hyper = dict(lr=1e-4, weight_decay=0.01)
     if config["optimizer"] == "torch":

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pagedoptim as po  # noqa: E402
 from pagedoptim._native import native  # noqa: E402
+from pagedoptim.cli.process_memory import peak_rss_bytes, rss_bytes  # noqa: E402
 from utils import emit, run_child, significant, time_interleaved  # noqa: E402
 
 MIB = 1 << 20
@@ -154,17 +154,12 @@ def hit_rate_table(args) -> None:
                   "optimum": significant(int(fraction * pages) / opt.paging_stats()["num_pages"])})
 
 
-def current_rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 class PeakRss:
     """The highest RSS a sampling thread sees while the block runs (every ~1 ms)."""
 
     def __enter__(self) -> "PeakRss":
         gc.collect()
-        self.before = self.peak = current_rss()
+        self.before = self.peak = rss_bytes()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -172,12 +167,12 @@ class PeakRss:
 
     def _sample(self) -> None:
         while not self._done.wait(0.001):
-            self.peak = max(self.peak, current_rss())
+            self.peak = max(self.peak, rss_bytes())
 
     def __exit__(self, *exc_info) -> None:
         self._done.set()
         self._thread.join()
-        self.peak = max(self.peak, current_rss())
+        self.peak = max(self.peak, rss_bytes())
 
 
 def checkpoint_benchmark(opt, args, disk: dict) -> None:
@@ -246,7 +241,7 @@ def large_run(args) -> None:
               "bytes_read": read, "bytes_written": written,
               "disk_gb_per_s": significant((read + written) / seconds / 1e9),
               "stall_s": significant(stats["stall_seconds"]),
-              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
+              "peak_rss_bytes": peak_rss_bytes()})
     if args.checkpoint:
         for p in params:  # a checkpoint is taken after the step, without gradients
             p.grad = None

@@ -21,48 +21,14 @@ high-water mark (VmHWM), reset before each measured step by writing 5 to
 
 from __future__ import annotations
 
-import ctypes
-import os
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-MMAP_THRESHOLD_BYTES = 64 << 10
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-
-
-def pin_malloc_to_mmap() -> bool:
-    """Map every allocation above MMAP_THRESHOLD_BYTES on its own; False where glibc refuses."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
-        libc.mallopt(_M_TRIM_THRESHOLD, MMAP_THRESHOLD_BYTES))
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def reset_peak_rss() -> bool:
-    """Start a new high-water mark at the current RSS; False where the kernel refuses."""
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmHWM line")
+# The RSS probes live in the package (one copy for the library, benchmarks and tests).
+from pagedoptim.cli.process_memory import (  # noqa: F401
+    MMAP_THRESHOLD_BYTES, peak_rss_bytes, pin_malloc_to_mmap, reset_peak_rss, rss_bytes)
 
 
 def _tensors_in(value: Any, depth: int = 0) -> Iterable[torch.Tensor]:

@@ -25,7 +25,7 @@ from typing import Iterator, Optional
 import pytest
 import torch
 
-from conftest import cuda_skip_reason
+from support import cuda_skip_reason
 from pagedoptim import paging
 
 @dataclass(frozen=True)

@@ -16,19 +16,7 @@ import torch
 import transformers
 
 import pagedoptim
-
-
-def status_bytes(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")  # resets VmHWM to the current RSS
+from pagedoptim.cli.process_memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 
 
 def make_optimizer(name: str, params):
@@ -75,12 +63,13 @@ def main() -> None:
     del warm
     gc.collect()
 
-    before = status_bytes("VmRSS")
-    reset_peak()
+    before = rss_bytes()
+    if not reset_peak_rss():
+        raise RuntimeError("/proc/self/clear_refs refused: the peak would include the warm-up")
     model = build(config)
     optimizer = make_optimizer(args.optimizer, model.parameters())
     train(model, optimizer, steps=3, **shape)
-    print(json.dumps({"peak_bytes": status_bytes("VmHWM") - before}))
+    print(json.dumps({"peak_bytes": peak_rss_bytes() - before}))
 
 
 if __name__ == "__main__":

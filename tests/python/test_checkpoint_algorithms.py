@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import pagedoptim as po
-from conftest import LionReference, make_params, set_grads
+from support import LionReference, make_params, set_grads
 from pagedoptim.checkpoint.algorithms import check_algorithm, identify_algorithm
 
 SHAPES = [(5, 13), (33,)]

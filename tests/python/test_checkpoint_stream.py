@@ -430,9 +430,7 @@ MEMORY_CHILD = textwrap.dedent("""
     directory = sys.argv[1]
     torch.set_num_threads(1)
 
-    def rss():
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096
+    from pagedoptim.cli.process_memory import rss_bytes as rss
 
     class Peak:
         # The sampling thread runs before the baseline is taken: its stack is not counted.

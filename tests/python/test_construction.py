@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import pagedoptim as po
-from conftest import (OURS, REFERENCE, Grads, TinyModel, clone_params, make_params,
+from support import (OURS, REFERENCE, Grads, TinyModel, clone_params, make_params,
                       run_lockstep, set_grads)
 
 ALL = ["AdamW", "SGD", "Lion"]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import pagedoptim as po
-from conftest import (Grads, assert_state_equal, clone_params, make_params, run_lockstep,
+from support import (Grads, assert_state_equal, clone_params, make_params, run_lockstep,
                       run_steps, set_grads)
 from pagedoptim.cli import convert
 from pagedoptim.__main__ import main

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import pagedoptim as po
-from conftest import FP32_TOL, LionReference, max_abs, relative_error
+from support import FP32_TOL, LionReference, max_abs, relative_error
 from ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),

@@ -27,7 +27,7 @@ from torch import nn
 import pagedoptim as po
 from pagedoptim.checkpoint import conversion as checkpoint_conversion
 from pagedoptim.checkpoint.algorithms import ADAMW
-from conftest import FP32_TOL, max_abs, relative_error
+from support import FP32_TOL, max_abs, relative_error
 from ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),

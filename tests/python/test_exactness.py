@@ -6,7 +6,7 @@ of the reference, where the error is
 
     max_i |ours_i - ref_i| / (max over the run so far of max_i |ref_i|)
 
-(see conftest.py: rounding error is bounded relative to the magnitudes the tensor took,
+(see support.py: rounding error is bounded relative to the magnitudes the tensor took,
 which stays well defined where elements cross zero). For Lion, elements whose update
 direction sign(beta1*m + (1-beta1)*g) was a rounding-level tie in the reference are left
 out of the parameter comparison (sign() is discontinuous there); they must stay rare.
@@ -21,7 +21,7 @@ that of torch's run.
 import pytest
 import torch
 
-from conftest import (FP32_TOL, LARGE_SHAPES, OURS, REFERENCE, SMALL_SHAPES, Grads,
+from support import (FP32_TOL, LARGE_SHAPES, OURS, REFERENCE, SMALL_SHAPES, Grads,
                       TrajectoryScale, assert_params_close, clone_params, make_params,
                       run_lockstep, set_grads)
 

@@ -19,7 +19,7 @@ import torch
 import pagedoptim as po
 from pagedoptim.integrations import stand_ins
 from pagedoptim.paging import env_settings
-from conftest import cuda_skip_reason
+from support import cuda_skip_reason
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 # The pagedoptim this test imported, so the examples run the same one.

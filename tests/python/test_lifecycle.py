@@ -15,6 +15,7 @@ import torch
 
 import pagedoptim as po
 from pagedoptim import paging
+from pagedoptim.cli.process_memory import rss_bytes
 from pagedoptim.paging import state_plan
 
 PAGE = 4096
@@ -37,11 +38,6 @@ def _fds_under(directory) -> list[int]:
 
 def _open_fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _paged(params, nvme_dir, **kw):
@@ -195,7 +191,7 @@ def test_creating_and_closing_paged_optimizers_leaves_fds_and_rss_flat(tmp_path)
 
     for _ in range(20):  # warm up allocator pools and lazily loaded code
         cycle()
-    fds, rss = _open_fd_count(), _rss_bytes()
+    fds, rss = _open_fd_count(), rss_bytes()
     start = time.perf_counter()
     for _ in range(LEAK_CYCLES):
         cycle()
@@ -203,7 +199,7 @@ def test_creating_and_closing_paged_optimizers_leaves_fds_and_rss_flat(tmp_path)
     assert _open_fd_count() == fds
     # Each cycle holds ~10 pages (40 KiB) of native memory and a 4 MiB-aligned ring; a leak of
     # either would pass 1000 * 40 KiB = 40 MiB. Allocator noise stays well under 4 MiB.
-    assert _rss_bytes() - rss < 4 << 20
+    assert rss_bytes() - rss < 4 << 20
     assert os.listdir(tmp_path) == []
     print(f"{LEAK_CYCLES} cycles in {elapsed:.2f} s")
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import pagedoptim as po
-from conftest import (EXACT, FP32_TOL, SMALL_SHAPES, Grads, make_params, run_lockstep,
+from support import (EXACT, FP32_TOL, SMALL_SHAPES, Grads, make_params, run_lockstep,
                       run_steps)
 from pagedoptim.paging import env_settings
 from pagedoptim.integrations import stand_ins

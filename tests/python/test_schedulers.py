@@ -1,13 +1,13 @@
 """Hyperparameters are read from param_groups on every step: LR schedulers (float and 0-dim
 tensor lr), OneCycleLR's cycled betas / momentum, hand edits of a group mid-run, and lr=0.
 
-Comparisons use the error measure and FP32_TOL of conftest.py."""
+Comparisons use the error measure and FP32_TOL of support.py."""
 
 import pytest
 import torch
 from torch.optim import lr_scheduler
 
-from conftest import (FP32_TOL, OURS, REFERENCE, SMALL_SHAPES, Grads, clone_params,
+from support import (FP32_TOL, OURS, REFERENCE, SMALL_SHAPES, Grads, clone_params,
                       make_params, run_lockstep, set_grads)
 
 STEPS = 60

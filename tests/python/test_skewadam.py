@@ -2,7 +2,7 @@
 its state_dict, its bf16 weight decay and its argument errors.
 
 Error measure: the parameters' change from their start, max|ours - ref| over the largest
-|change| of the reference (conftest.relative_error's scale idea applied to the update, so the
+|change| of the reference (support.relative_error's scale idea applied to the update, so the
 test sees update errors rather than rounding of the weights). fp32 state: the only
 differences are reduction orders (row and column sums, the RMS) and the order of a few
 products, a few fp32 ulps of the update: FP32_UPDATE_TOL = 1e-5 is about 80 ulp. 8-bit

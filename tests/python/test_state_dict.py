@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import pagedoptim as po
-from conftest import (FP32_TOL, OURS, REFERENCE, SMALL_SHAPES, Grads, TinyModel,
+from support import (FP32_TOL, OURS, REFERENCE, SMALL_SHAPES, Grads, TinyModel,
                       TrajectoryScale, assert_params_close, assert_state_equal, clone_params,
                       make_params, run_steps, set_grads, state_tensors)
 

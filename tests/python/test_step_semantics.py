@@ -6,7 +6,7 @@ import torch
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
-from conftest import (FP32_TOL, OURS, REFERENCE, TinyModel, TrajectoryScale,
+from support import (FP32_TOL, OURS, REFERENCE, TinyModel, TrajectoryScale,
                       assert_params_close, model_loss, state_tensors)
 
 ALL = ["AdamW", "SGD", "Lion"]

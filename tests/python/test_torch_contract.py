@@ -16,7 +16,7 @@ from torch import nn
 
 import pagedoptim as po
 from pagedoptim.state.param_state import StaleStateWriteError
-from conftest import FP32_TOL, relative_error
+from support import FP32_TOL, relative_error
 
 EXACT = dict(state_bits=32, master_bits=None)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import pagedoptim as po
-from conftest import (EXACT, FP32_TOL, SMALL_SHAPES, Grads, TrajectoryScale,
+from support import (EXACT, FP32_TOL, SMALL_SHAPES, Grads, TrajectoryScale,
                       assert_params_close, make_params, run_steps, set_grads)
 
 K, N = 4, 10  # wrap after K steps, N steps in all
