@@ -24,7 +24,8 @@ import torch
 _owners: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 
-def _owner_of(param: torch.Tensor) -> Any:
+def owner_of(param: torch.Tensor) -> Any:
+    """The optimizer that releases `param`'s gradient now, or None."""
     entry = _owners.get(id(param))
     if entry is None or entry[0]() is not param:
         return None
@@ -47,13 +48,13 @@ class _Hook:
 
     def __call__(self, param: torch.Tensor) -> None:
         optimizer = self._optimizer()
-        if optimizer is None or _owner_of(param) is not optimizer:
+        if optimizer is None or owner_of(param) is not optimizer:
             return  # collected, or a newer optimizer releases this param
         self._step(optimizer, param)
 
 
 def _previous_owner_alive(param: torch.Tensor, optimizer: Any) -> bool:
-    previous = _owner_of(param)
+    previous = owner_of(param)
     return previous is not None and previous is not optimizer \
         and not getattr(previous, "closed", False)
 

@@ -21,6 +21,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from pagedoptim.optim.optimizer import PagedOptimizer
 from pagedoptim.state.format import RESIDUAL
 
 # Keys only our formats put in a param's state: companded moments, master residuals and
@@ -38,8 +39,9 @@ def _is_a_torch_algorithm(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer` runs one of torch.optim's algorithms (torch.optim.AdamW, SGD, ...,
     or a subclass of one), which read fp32 moments. Not wrappers that step an optimizer of
     ours inside, whose state they mirror or forward: ZeroRedundancyOptimizer
-    (torch.distributed.optim), accelerate's AcceleratedOptimizer; nor our own classes."""
-    from pagedoptim.optim.optimizer import PagedOptimizer
+    (torch.distributed.optim), accelerate's AcceleratedOptimizer; nor our own classes, whose
+    steps run this hook too and leave at the first test. (No cache: Dynamo traces the hook
+    under torch.compile and warns about functools caches.)"""
     if isinstance(optimizer, PagedOptimizer):
         return False
     return any(cls.__module__.startswith("torch.optim.") and cls is not torch.optim.Optimizer

@@ -92,7 +92,6 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._shard_layouts: dict[torch.Tensor, sharded_params.ShardLayout] = {}
         self._release_hooks: list[Any] = []
         self._released_this_round: set[int] = set()
-        self._hooked: set[int] = set()  # ids of the params with a release hook
         self._interrupted: Optional[interrupted_step.Interrupted] = None
         self._closed = False
         if isinstance(params, (set, frozenset)):
@@ -232,10 +231,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         # (each backward completes its gradient once), where step() would step it twice.
         # The hooks hold this optimizer weakly (engine/release_hooks.py). A param frozen
         # now gets its hook when it first has a gradient (_finish_released_round).
-        hooked = [p for p in params if p.requires_grad]
         self._release_hooks += release_hooks.claim(
-            self, hooked, lambda optimizer, p: optimizer._step_released(p))
-        self._hooked.update(id(p) for p in hooked)
+            self, params, lambda optimizer, p: optimizer._step_released(p))
 
     # -- the step --------------------------------------------------------------------------
 
@@ -546,7 +543,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._step_params(late, {})  # GradScaler was refused above
         for p, _, _, _ in late:
             p.grad = None
-        self._register_release_hooks([p for p, _, _, _ in late if id(p) not in self._hooked])
+        self._register_release_hooks([p for p, _, _, _ in late
+                                      if release_hooks.owner_of(p) is not self])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's zero_grad; with release_grads=True it also ends the round, as step()
@@ -1067,7 +1065,6 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._shard_layouts = {}
         self._release_hooks = []
         self._released_this_round = set()
-        self._hooked = set()
         self._interrupted = None
         self.state = StateMap(self)
         params = self._indexed_params()

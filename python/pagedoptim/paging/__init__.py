@@ -280,12 +280,13 @@ def warn_about_fallbacks(engine: Any) -> None:
     """A warning for each way the page file runs below its best: POSIX instead of io_uring,
     buffered instead of O_DIRECT."""
     stats = engine.paging_stats()
+    level = _frames_to_the_caller()
     if stats["io_fallback_reason"]:
         warnings.warn(f"pagedoptim: the page file uses the POSIX pread/pwrite backend because "
-                      f"{stats['io_fallback_reason']}", RuntimeWarning, stacklevel=3)
+                      f"{stats['io_fallback_reason']}", RuntimeWarning, stacklevel=level)
     if stats["direct_io_reason"]:
         warnings.warn(f"pagedoptim: the page file uses buffered I/O because "
-                      f"{stats['direct_io_reason']}", RuntimeWarning, stacklevel=3)
+                      f"{stats['direct_io_reason']}", RuntimeWarning, stacklevel=level)
 
 
 def warn_about_host_offload_on_cpu(store: Optional[dict], engine_device_name: str) -> None:
