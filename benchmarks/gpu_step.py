@@ -97,7 +97,7 @@ class Candidate:
 
 def scalar_bodies(optimizer: Any) -> Any:
     """`optimizer` with its CUDA steps forced onto the one-element-per-lane kernel bodies."""
-    optimizer._ensure_engine().set_vector_loads(False)
+    optimizer.state_store.ensure_engine().set_vector_loads(False)
     return optimizer
 
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import pagedoptim as po
+from pagedoptim.engine.state_store import StateStore
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "fuzz"))
 import state_dict_cases as cases  # noqa: E402
@@ -331,12 +332,12 @@ def test_a_failure_while_the_new_pages_are_written_changes_nothing(monkeypatch):
     opt, twin = cases.make("adamw_nvme", seed=2, steps=1), cases.make("adamw_nvme", seed=2,
                                                                        steps=1)
     before = cases.snapshot(opt)
-    original = po.AdamW._write_param_streams
+    original = StateStore.write_streams
     def failing(self, p, given, complete, where):
         if where.endswith("param 1"):
             raise OSError(5, "simulated write failure")
         return original(self, p, given, complete, where)
-    monkeypatch.setattr(po.AdamW, "_write_param_streams", failing)
+    monkeypatch.setattr(StateStore, "write_streams", failing)
     with pytest.raises(OSError, match="simulated write failure"):
         opt.load_state_dict(state_dict)
     monkeypatch.undo()

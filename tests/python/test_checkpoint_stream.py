@@ -231,12 +231,12 @@ def saved(tmp_path, name="adamw-8bit-bf16", mode="nvme"):
 
 
 def snapshot(opt):
-    return (opt._engine, dict(opt._slots), opt.param_groups, opt.state_dict())
+    return (opt.state_store, opt.state_store.engine, opt.param_groups, opt.state_dict())
 
 
 def assert_unchanged(opt, before, params):
-    engine, slots, groups, state_dict = before
-    assert opt._engine is engine and opt._slots == slots and opt.param_groups is groups
+    store, engine, groups, state_dict = before
+    assert opt.state_store is store and store.engine is engine and opt.param_groups is groups
     twin = type(opt)(clone(params), lr=1.0)
     twin.load_state_dict(state_dict)
     assert_same_state(opt, twin)
@@ -356,8 +356,8 @@ def test_a_checkpoint_of_another_optimizer_is_refused(change, message, tmp_path)
     before = snapshot(opt)
     with pytest.raises(ValueError, match=message):
         opt.load_checkpoint(path)
-    engine, slots, groups, state_dict = before
-    assert opt._engine is engine and opt.param_groups is groups
+    store, engine, groups, state_dict = before
+    assert opt.state_store is store and store.engine is engine and opt.param_groups is groups
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path):
@@ -378,11 +378,11 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path):
         def __getattr__(self, name):
             return getattr(self.engine, name)
 
-    engine = opt._engine
-    opt._engine = FailingEngine(engine)
+    engine = opt.state_store.engine
+    opt.state_store.engine = FailingEngine(engine)
     with pytest.raises(OSError, match="No space left"):
         opt.save_checkpoint(path)
-    opt._engine = engine
+    opt.state_store.engine = engine
     assert path.read_bytes() == original
     assert sorted(f.name for f in tmp_path.iterdir()) == ["opt.ckpt"]
 

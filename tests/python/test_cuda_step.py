@@ -49,7 +49,7 @@ import pagedoptim as po
 from gpu_target import TARGET, needs_cuda
 from pagedoptim._native import native
 from pagedoptim.engine import interrupted_step
-from pagedoptim.optim.optimizer import _StepBatch
+from pagedoptim.engine.step_batch import StepBatch
 
 GROUP = 32  # elements per quantization group (one fp16 scale each)
 
@@ -463,9 +463,9 @@ def test_state_lives_in_device_memory_from_torchs_allocator_and_goes_back_with_i
     assert opt._step_supports_amp_scaling
     opt.step()
     torch.cuda.synchronize()
-    usage = opt._engine.memory_usage()
-    pages = usage["num_pages"] * opt._engine.page_bytes
-    assert opt._engine.device == f"cuda:{DEVICE.index}"
+    usage = opt.state_store.engine.memory_usage()
+    pages = usage["num_pages"] * opt.state_store.engine.page_bytes
+    assert opt.state_store.engine.device == f"cuda:{DEVICE.index}"
     assert pages >= 3 * numel  # 8-bit m and v codes and the int8 residual at least
     grown = torch.cuda.memory_allocated(DEVICE) - before
     assert grown >= pages, f"pages of {pages} bytes, but memory_allocated grew by {grown}"
@@ -522,7 +522,7 @@ def test_params_on_a_second_device_are_stepped_there():
     with torch.cuda.device(0):
         run.step(grads(0))
         run.step(grads(1))
-    assert run.cuda_opt._engine.device == "cuda:1"
+    assert run.cuda_opt.state_store.engine.device == "cuda:1"
     run.assert_identical("params on cuda:1, current device cuda:0")
 
 
@@ -914,13 +914,11 @@ def test_cpu_grad_for_a_cuda_param_names_the_param():
         with pytest.raises(ValueError, match=r"param 1\b"):
             opt.step()
     hyperparameters = [opt._group_hyperparameters(opt.param_groups[0])]
-    batch = _StepBatch()
-    batch.hyperparameters = list(hyperparameters)
+    batch = StepBatch(list(hyperparameters))
     with pytest.raises(ValueError, match=r"param 1 \(shape \(8,\)"):
         opt._add_to_batch(batch, params[1], torch.randn(8), 0)
     # The engine's own check (the C++ boundary), for a batch that got past Python.
-    batch = _StepBatch()
-    batch.hyperparameters = list(hyperparameters)
+    batch = StepBatch(list(hyperparameters))
     for p in params:
         opt._add_to_batch(batch, p, torch.randn(8, device=DEVICE), 0)
     batch.grads[1] = torch.randn(8)
@@ -946,7 +944,7 @@ def test_vector_and_scalar_bodies_give_the_same_bits(name):
     for vector in (True, False):
         params = [nn.Parameter(v.to(DEVICE, copy=True)) for v in values]
         opt = factory(split_groups(params, MATRIX_SPLIT, dict(overrides)), **kwargs, **ON_DEVICE)
-        opt._ensure_engine().set_vector_loads(vector)
+        opt.state_store.ensure_engine().set_vector_loads(vector)
         grads = GradSource(MATRIX_SHAPES)
         for t in range(3):
             for p, g in zip(params, grads(t)):
@@ -974,7 +972,7 @@ def test_model_moved_to_cuda_after_the_optimizer_was_built():
         p.grad.copy_(q.grad.to(DEVICE))  # the same grads, whatever the matmul kernels gave
     opt.step()
     ref.step()
-    assert opt._engine.device == f"cuda:{DEVICE.index or 0}"
+    assert opt.state_store.engine.device == f"cuda:{DEVICE.index or 0}"
     assert_optimizers_identical("moved model", list(ref_model.parameters()), ref,
                                 list(model.parameters()), opt)
 
@@ -1084,9 +1082,9 @@ def test_out_of_memory_leaves_no_orphaned_pages():
     opt.step()
     ref.grad = grad.clone()
     ref_opt.step()
-    assert opt._engine.num_params == ref_opt._engine.num_params == 1
-    assert (opt._engine.memory_usage()["num_pages"]
-            == ref_opt._engine.memory_usage()["num_pages"])
+    assert opt.state_store.engine.num_params == ref_opt.state_store.engine.num_params == 1
+    assert (opt.state_store.engine.memory_usage()["num_pages"]
+            == ref_opt.state_store.engine.memory_usage()["num_pages"])
 
 
 # -- a real model ----------------------------------------------------------------------------

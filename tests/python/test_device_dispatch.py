@@ -14,7 +14,7 @@ def test_cpu_params_keep_state_on_the_cpu():
     opt = po.AdamW([p], lr=1e-2)
     p.grad = torch.randn(40)
     opt.step()
-    assert opt._engine.device == "cpu"
+    assert opt.state_store.engine.device == "cpu"
     assert opt.state[p]["step"].device.type == "cpu"
 
 

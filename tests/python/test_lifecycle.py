@@ -288,7 +288,9 @@ def test_a_load_into_an_optimizer_with_state_gives_the_old_state_back():
 def test_a_page_file_larger_than_the_free_space_is_reported_at_construction(tmp_path,
                                                                             monkeypatch):
     p = torch.nn.Parameter(torch.randn(40_000))
-    planned = state_plan.plan_state(_paged([p], tmp_path), "cpu")
+    sizing = _paged([p], tmp_path)
+    planned = state_plan.plan_state(sizing.state_store, "cpu")
+    sizing.close()
     needed = planned.num_pages * planned.page_bytes
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=needed - 100)

@@ -47,7 +47,7 @@ def paged(params, tmp_path, **kw):
     with paging.store_overrides(faults=[], io_backend=kw.pop("io_backend", "auto")):
         opt = po.AdamW(params, offload="nvme", nvme_dir=tmp_path, cache_bytes=3 * PAGE,
                        prefetch=2, **KW, **kw)
-        opt._ensure_engine()
+        opt.state_store.ensure_engine()
     return opt
 
 
@@ -103,7 +103,7 @@ def skip_without(backend, tmp_path):
     if backend == "io_uring":
         opt = po.AdamW(make_params(), offload="nvme", nvme_dir=tmp_path, **KW)
         with paging.store_overrides(io_backend="auto"):
-            stats = opt._ensure_engine().paging_stats()
+            stats = opt.state_store.ensure_engine().paging_stats()
         if stats["io_backend"] != "io_uring":
             pytest.skip(f"io_uring is refused here: {stats['io_fallback_reason']}")
 

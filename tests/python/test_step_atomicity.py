@@ -102,7 +102,7 @@ def paged(name, params, tmp_path):
     with paging.store_overrides(faults=[]):
         opt = build(name, params, offload="nvme", nvme_dir=tmp_path,
                     cache_bytes=CACHE_PAGES * PAGE, prefetch=1)
-        opt._ensure_engine()
+        opt.state_store.ensure_engine()
     return opt
 
 

@@ -640,8 +640,8 @@ def test_small_tiers_of_skewadam_share_a_page_size_that_fits_them():
                 p.grad = torch.ones_like(p)
         opt.step()
         report = opt.memory_report()
-        kinds = opt._stream_kinds()
-        return report, len({kind for kind, _ in opt._planned_state() if kinds[kind]})
+        kinds = opt.state_store.stream_kinds()
+        return report, len({kind for kind, _ in opt.state_store.planned_state() if kinds[kind]})
 
     charge = po.paging.PAGE_OVERHEAD_CHARGE
     chosen, kinds_in_use = stepped()

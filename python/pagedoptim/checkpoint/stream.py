@@ -24,7 +24,7 @@ from pagedoptim.checkpoint import atomic_file, format as checkpoint_format
 from pagedoptim.state import sharding as sharded_params
 from pagedoptim.checkpoint.format import (CheckpointError, Header, ParamEntry, SlotEntry,
                                           StreamEntry, dtype_name)
-from pagedoptim.state.param_state import ParamState, StateMap
+from pagedoptim.state.param_state import ParamState
 
 PathLike = Union[str, os.PathLike]
 
@@ -32,8 +32,8 @@ PathLike = Union[str, os.PathLike]
 DEFAULT_RECORD_BYTES = 2 << 20
 
 
-def _check_local(opt: Any, action: str) -> None:
-    for index, p in enumerate(opt._indexed_params()):
+def _check_local(store: Any, action: str) -> None:
+    for index, p in enumerate(store.params()):
         if sharded_params.is_dtensor(p):
             raise ValueError(f"{action}: param {index} is a DTensor; a streaming checkpoint "
                              "holds one process's state, and sharded state is saved with "
@@ -45,23 +45,25 @@ def _stream_entries(specs: list[Any]) -> tuple[StreamEntry, ...]:
                              spec.per_group) for spec in specs)
 
 
-def _stream_format(opt: Any) -> dict[str, Any]:
-    return {"state_bits": opt._options.state_bits, "master_bits": opt._options.master_bits,
+def _stream_format(store: Any) -> dict[str, Any]:
+    return {"state_bits": store.options.state_bits, "master_bits": store.options.master_bits,
             "group_size": checkpoint_format.GROUP_SIZE}
 
 
-def _build_header(opt: Any) -> tuple[Header, list[list[int]]]:
-    """The header of `opt`'s checkpoint, and per position the engine slots of its records."""
-    params = opt._indexed_params()
+def _build_header(store: Any, state_map: Any) -> tuple[Header, list[list[int]]]:
+    """The header of the checkpoint of `store` and `state_map` (its optimizer's state), and
+    per position the engine slots of its records."""
+    opt = store.optimizer
+    params = store.params()
     first_position: dict[int, int] = {}
     entries, engine_slots = [], []
     for position, p in enumerate(params):
         alias = first_position.setdefault(id(p), position)
-        value = dict.get(opt.state, p)  # dict.get: no entry is made for p
+        value = dict.get(state_map, p)  # dict.get: no entry is made for p
         slots: list[SlotEntry] = []
         numbers: list[int] = []
-        if alias == position and opt._engine is not None:
-            for role, slot, numel, specs in opt._checkpoint_slots(p):
+        if alias == position:
+            for role, slot, numel, specs in store.checkpoint_slots(p):
                 slots.append(SlotEntry(role, numel, _stream_entries(specs)))
                 numbers.append(slot)
         state = hidden = None
@@ -77,23 +79,23 @@ def _build_header(opt: Any) -> tuple[Header, list[list[int]]]:
         packed = {k: v for k, v in group.items() if k != "params"}
         packed["params"] = [first_position[id(p)] for p in group["params"]]
         groups.append(packed)
-    other = [(k, v) for k, v in opt.state.items() if not isinstance(k, torch.Tensor)]
-    record_bytes = opt._page_bytes if opt._page_bytes is not None else DEFAULT_RECORD_BYTES
+    other = [(k, v) for k, v in state_map.items() if not isinstance(k, torch.Tensor)]
+    record_bytes = store.page_bytes if store.page_bytes is not None else DEFAULT_RECORD_BYTES
     record_bytes = min(max(record_bytes, checkpoint_format.MIN_RECORD_BYTES),
                        checkpoint_format.MAX_RECORD_BYTES)
-    saved_with = {"offload": opt.paging_stats().get("offload"),
-                  "page_bytes": opt._page_bytes}
-    header = Header(opt._kind, type(opt).__name__, _stream_format(opt), record_bytes, groups,
-                    tuple(entries), other, saved_with)
+    saved_with = {"offload": store.paging_stats().get("offload"),
+                  "page_bytes": store.page_bytes}
+    header = Header(store.algorithm, type(opt).__name__, _stream_format(store), record_bytes,
+                    groups, tuple(entries), other, saved_with)
     return header, engine_slots
 
 
-def save(opt: Any, path: PathLike) -> None:
-    """opt.save_checkpoint(path): see PagedOptimizer.save_checkpoint."""
-    _check_local(opt, "save_checkpoint")
-    opt.state.sync()
+def save(store: Any, state_map: Any, path: PathLike) -> None:
+    """optimizer.save_checkpoint(path) of the optimizer of `store` and `state_map` (its
+    synced optimizer.state): see PagedOptimizer.save_checkpoint."""
+    _check_local(store, "save_checkpoint")
     path = pathlib.Path(path)
-    header, engine_slots = _build_header(opt)
+    header, engine_slots = _build_header(store, state_map)
     buffer = torch.empty(checkpoint_format.max_payload_bytes(header), dtype=torch.uint8)
     view = memoryview(buffer.numpy())
     # Each record with its reads: (engine slot, stream, offset in the stream, offset in the
@@ -101,33 +103,34 @@ def save(opt: Any, path: PathLike) -> None:
     records = [(spec, [(engine_slots[spec.param][spec.slot], name, offset, at, size)
                        for name, offset, at, size in checkpoint_format.record_parts(header, spec)])
                for spec in checkpoint_format.expected_records(header)]
-    with atomic_file.atomic_write(path) as handle, _reading_ahead(opt, records):
+    with atomic_file.atomic_write(path) as handle, _reading_ahead(store.engine, records):
         checkpoint_format.write_header(handle, header)
         writer = checkpoint_format.RecordWriter(handle)
         for spec, reads in records:
             for engine_slot, name, offset, at, size in reads:
-                opt._engine.read_stream_range(engine_slot, name, offset, buffer[at:at + size])
+                store.engine.read_stream_range(engine_slot, name, offset,
+                                               buffer[at:at + size])
             writer.write(spec, view[:spec.payload_bytes])
         writer.finish()
 
 
 @contextlib.contextmanager
-def _reading_ahead(opt: Any, records: list[tuple[Any, list[tuple]]]) -> Iterator[None]:
+def _reading_ahead(engine: Any, records: list[tuple[Any, list[tuple]]]) -> Iterator[None]:
     """The pages of the records' reads, in record order, as the page store's plan while
     they are read: a store paged to NVMe reads ahead of the copies (with the engine's
     prefetch depth) while this thread writes the file, where it would otherwise read each
     page only when its record reaches it. The plan ends with the save, whether it completes
     or raises."""
-    if opt._engine is None or not records:
+    if engine is None or not records:
         yield
         return
-    opt._engine.plan_stream_ranges([(engine_slot, name, offset, size)
-                                    for _, reads in records
-                                    for engine_slot, name, offset, _, size in reads])
+    engine.plan_stream_ranges([(engine_slot, name, offset, size)
+                               for _, reads in records
+                               for engine_slot, name, offset, _, size in reads])
     try:
         yield
     finally:
-        opt._engine.plan_stream_ranges([])
+        engine.plan_stream_ranges([])
 
 
 def read_header(path: PathLike) -> Header:
@@ -161,13 +164,14 @@ def _is_step_count(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _check_matches(opt: Any, header: Header, path: pathlib.Path) -> None:
-    """What the header says must fit this optimizer before anything is loaded."""
+def _check_matches(store: Any, header: Header, path: pathlib.Path) -> None:
+    """What the header says must fit the store's optimizer before anything is loaded."""
+    opt = store.optimizer
     name = type(opt).__name__
-    if header.algorithm != opt._kind:
+    if header.algorithm != store.algorithm:
         raise ValueError(f"{path} holds the state of a {header.optimizer} ('{header.algorithm}'), "
-                         f"not of a {name} ('{opt._kind}')")
-    ours = _stream_format(opt)
+                         f"not of a {name} ('{store.algorithm}')")
+    ours = _stream_format(store)
     differences = [f"{key} {header.stream_format.get(key)!r} in the checkpoint, {ours[key]!r} "
                    "here" for key in ours if header.stream_format.get(key) != ours[key]]
     differences += [f"{key} {value!r} in the checkpoint, unknown here"
@@ -185,7 +189,7 @@ def _check_matches(opt: Any, header: Header, path: pathlib.Path) -> None:
         if len(group["params"]) != len(saved["params"]):
             raise ValueError(f"{path}: parameter group {index} has {len(saved['params'])} "
                              f"params in the checkpoint, {len(group['params'])} here")
-    params = opt._indexed_params()
+    params = store.params()
     if len(params) != len(header.params):
         raise ValueError(f"{path} holds {len(header.params)} params, this {name} has "
                          f"{len(params)}")
@@ -213,10 +217,11 @@ def _check_matches(opt: Any, header: Header, path: pathlib.Path) -> None:
                              f"the checkpoint, {ours_positions} here")
 
 
-def _check_slots(opt: Any, p: torch.Tensor, position: int, entry: ParamEntry,
+def _check_slots(store: Any, p: torch.Tensor, position: int, entry: ParamEntry,
                  path: pathlib.Path) -> list[int]:
-    """The engine slots the staging engine gave p, checked against the saved ones."""
-    ours = opt._checkpoint_slots(p)
+    """The engine slots the staging store gave p, checked against the saved ones."""
+    store.slot(p)
+    ours = store.checkpoint_slots(p)
     mine = [(role, numel, _stream_entries(specs)) for role, _, numel, specs in ours]
     saved = [(slot.role, slot.numel, slot.streams) for slot in entry.slots]
     if mine != saved:
@@ -228,63 +233,74 @@ def _check_slots(opt: Any, p: torch.Tensor, position: int, entry: ParamEntry,
     return [slot for _, slot, _, _ in ours]
 
 
-def load(opt: Any, path: PathLike) -> None:
-    """opt.load_checkpoint(path): see PagedOptimizer.load_checkpoint."""
-    _check_local(opt, "load_checkpoint")
-    path = pathlib.Path(path)
-    opt.state.sync()
-    with open(path, "rb") as handle:
-        try:
-            header = checkpoint_format.read_header(handle)
-            checkpoint_format.check_length(handle, header)
-        except CheckpointError as error:
-            raise CheckpointError(f"{path}: {error}") from None
-        _check_matches(opt, header, path)
-        # The checkpoint's groups over our params, validated as load_state_dict does.
-        param_groups = [opt._loaded_group(group, dict(saved), index)
-                        for index, (group, saved)
-                        in enumerate(zip(opt.param_groups, header.param_groups))]
-        params = opt._indexed_params()
-        # Staging: the state is loaded into a new engine while the old one is kept; only
-        # when every record checked out does the optimizer keep the new one.
-        before = dict(opt.__dict__)
-        try:
-            opt.param_groups = param_groups
-            opt._on_groups_loaded()
-            opt._forget_engine()
-            opt.state = StateMap(opt)
-            slots: dict[int, list[int]] = {}
-            for position, entry in enumerate(header.params):
-                if entry.slots:
-                    opt._slot(params[position])
-                    slots[position] = _check_slots(opt, params[position], position, entry,
-                                                   path)
-            buffer = torch.empty(checkpoint_format.max_payload_bytes(header), dtype=torch.uint8)
-            view = memoryview(buffer.numpy())
-            try:
-                for spec, payload in checkpoint_format.iter_records(handle, header, view):
-                    engine_slot = slots[spec.param][spec.slot]
-                    for name, offset, at, size in checkpoint_format.record_parts(header, spec):
-                        opt._engine.write_stream_range(engine_slot, name, offset,
-                                                       buffer[at:at + size])
-            except CheckpointError as error:
-                raise CheckpointError(f"{path}: {error}") from None
-            for key, value in header.other_state:
-                opt.state[key] = value
-            for position, entry in enumerate(header.params):
-                if entry.state is None:
-                    continue
-                entries = dict(entry.state)
-                if not opt._step_in_state:
-                    entries.pop("step", None)
-                    if entry.hidden_step is not None:
-                        entries["step"] = entry.hidden_step
-                opt._load_plain_state(params[position], entries, bool(entry.slots))
-        except BaseException:
-            opt.__dict__.clear()
-            opt.__dict__.update(before)
-            raise
-    # Copies handed out from the old state no longer hold the optimizer's state.
-    opt.state.take_over(before["state"])
-    opt._step_counter_replaced()
+class Reader:
+    """A checkpoint file opened for optimizer.load_checkpoint, its header read and checked
+    against the optimizer of `store` (the params, their groups, the state format) before
+    anything is loaded. The optimizer validates `param_groups` (the saved groups), builds a
+    fresh store, and has the reader fill it (`read_streams`, `other_state`,
+    `plain_state`); a file that turns out bad midway raises CheckpointError and the
+    optimizer's load is undone."""
 
+    def __init__(self, store: Any, path: PathLike) -> None:
+        _check_local(store, "load_checkpoint")
+        self.path = pathlib.Path(path)
+        self._handle = open(self.path, "rb")
+        try:
+            try:
+                self.header = checkpoint_format.read_header(self._handle)
+                checkpoint_format.check_length(self._handle, self.header)
+            except CheckpointError as error:
+                raise CheckpointError(f"{self.path}: {error}") from None
+            _check_matches(store, self.header, self.path)
+        except BaseException:
+            self._handle.close()
+            raise
+
+    def __enter__(self) -> "Reader":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._handle.close()
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return list(self.header.param_groups)
+
+    def read_streams(self, store: Any) -> None:
+        """Lays out the state of every saved param in `store` (a fresh one, over the
+        checkpoint's groups), checks it against the saved layout, and reads every record
+        into its pages."""
+        params = store.params()
+        slots: dict[int, list[int]] = {}
+        for position, entry in enumerate(self.header.params):
+            if entry.slots:
+                slots[position] = _check_slots(store, params[position], position, entry,
+                                               self.path)
+        buffer = torch.empty(checkpoint_format.max_payload_bytes(self.header), dtype=torch.uint8)
+        view = memoryview(buffer.numpy())
+        try:
+            for spec, payload in checkpoint_format.iter_records(self._handle, self.header, view):
+                engine_slot = slots[spec.param][spec.slot]
+                for name, offset, at, size in checkpoint_format.record_parts(self.header, spec):
+                    store.engine.write_stream_range(engine_slot, name, offset,
+                                                    buffer[at:at + size])
+        except CheckpointError as error:
+            raise CheckpointError(f"{self.path}: {error}") from None
+
+    def other_state(self) -> list[tuple[Any, Any]]:
+        """The saved state entries whose keys are not params."""
+        return list(self.header.other_state)
+
+    def plain_state(self, step_in_state: bool) -> Iterator[tuple[int, dict[Any, Any], bool]]:
+        """(position, entries other than streams, whether it has streams) of every saved
+        param with state; its step where the optimizer keeps it (step_in_state), or its
+        hidden step as 'step' for an algorithm that keeps it out of sight."""
+        for position, entry in enumerate(self.header.params):
+            if entry.state is None:
+                continue
+            entries = dict(entry.state)
+            if not step_in_state:
+                entries.pop("step", None)
+                if entry.hidden_step is not None:
+                    entries["step"] = entry.hidden_step
+            yield position, entries, bool(entry.slots)

@@ -178,7 +178,7 @@ def pagedoptim_state(params: Params, algorithm: str, settings: dict[str, Any],
     optimizer_class = {"adamw": optim.AdamW, "lion": optim.Lion, "sgd": optim.SGD}[algorithm]
     extra = {"lr": 1e-3, "momentum": 0.9} if algorithm == "sgd" else {}
     optimizer = optimizer_class(_meta_params(params), **extra, **settings)
-    return state_plan.plan_state(optimizer, device)
+    return state_plan.plan_state(optimizer.state_store, device)
 
 
 def torch_state_bytes(params: Params, algorithm: str) -> tuple[int, int]:

@@ -58,14 +58,14 @@ class _CompiledPlan:
 
     def __init__(self, optimizer: Any) -> None:
         self.param_groups = optimizer.param_groups
-        self.steps: list[Optional[torch.Tensor]] = [None] * len(optimizer._indexed_params())
+        self.steps: list[Optional[torch.Tensor]] = [None] * len(optimizer.state_store.params())
         # Whether the step takes GradScaler's tensors: set by _prepare, because the traced
         # code must not look at the engine (the first run of the op creates it).
         self.amp_scaling = False
 
     def describes(self, optimizer: Any) -> bool:
         return (self.param_groups is optimizer.param_groups
-                and len(self.steps) == len(optimizer._indexed_params()))
+                and len(self.steps) == len(optimizer.state_store.params()))
 
 
 def forget_plan(optimizer: Any) -> None:
@@ -107,7 +107,7 @@ def _prepare(optimizer: Any) -> int:
         plan = _CompiledPlan(optimizer)
         optimizer._compiled_plan = plan
     plan.amp_scaling = bool(optimizer._step_supports_amp_scaling)
-    for position, p in enumerate(optimizer._indexed_params()):
+    for position, p in enumerate(optimizer.state_store.params()):
         if sharded_params.is_dtensor(p):
             raise RuntimeError(f"torch.compile of {type(optimizer).__name__}.step() with "
                                f"DTensor params (param {position}) is not supported: the "
@@ -172,7 +172,7 @@ def step_params_(optimizer_id: int, params: list[torch.Tensor], grads: list[torc
         raise ValueError(f"{OP_NAME}: params, grads, steps and positions must have one entry "
                          f"per param, got {len(params)}, {len(grads)}, {len(steps)} and "
                          f"{len(positions)}")
-    owners = optimizer._indexed_params()
+    owners = optimizer.state_store.params()
     for param, position in zip(params, positions):
         _check_stands_for(param, position, owners)
     group_ids = [group_id for group_id, group in enumerate(optimizer.param_groups)

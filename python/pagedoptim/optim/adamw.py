@@ -10,6 +10,7 @@ from pagedoptim.optim import torch_flags
 
 from pagedoptim.state import format as state_format
 from pagedoptim._validation import as_flag, check_betas, check_non_negative
+from pagedoptim.engine.step_batch import StepBatch
 from pagedoptim.optim.optimizer import PagedOptimizer
 from pagedoptim.paging.options import PagingOptions
 from pagedoptim.state.format import Moment
@@ -98,8 +99,6 @@ class AdamW(PagedOptimizer):
             moments.append(self._SECOND_MAX)
         return moments
 
-    def _all_moments(self) -> list[Moment]:
-        return [self._FIRST, self._SECOND, self._SECOND_MAX]
 
-    def _native_step(self, *args: Any, **amp: Any) -> None:
-        self._engine.step_adamw(*args, **amp)
+    def _native_step(self, batch: StepBatch) -> None:
+        self.state_store.engine.step_adamw(*batch.native_args(), **batch.amp)

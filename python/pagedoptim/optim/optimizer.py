@@ -14,50 +14,32 @@ convert between fp32 and companded 8-bit formats where the formats differ.
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import dataclasses
-import itertools
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from pagedoptim import paging
-
 from pagedoptim.checkpoint import stream as checkpoint_stream
-
 from pagedoptim.engine import compiled_step, interrupted_step, release_guard, release_hooks
-
-from pagedoptim.optim import torch_flags, trainer_route_check
-
-from pagedoptim.paging import state_plan
-
-from pagedoptim.state import (sharding as sharded_params, checks as state_dict_checks,
-                               format as state_format)
-from pagedoptim._native import native
-from pagedoptim.checkpoint.algorithms import check_algorithm
 from pagedoptim.engine.lifecycle import ClosedState, open_only
+from pagedoptim.engine.state_store import (LOW_PRECISION_DTYPES, ONE_OPTIMIZER_PER_DEVICE,
+                                           StateStore, replacing_state)
+from pagedoptim.engine.step_batch import StepBatch
+from pagedoptim.optim import state_dict as state_dict_bodies
+from pagedoptim.optim import torch_flags, trainer_route_check
 from pagedoptim.paging.options import PagingOptions
-from pagedoptim.state.param_state import ParamState, StateMap, where_written
-from pagedoptim.state.format import Moment, StreamSpec
+from pagedoptim.state import sharding as sharded_params
+from pagedoptim.state.format import Moment
+from pagedoptim.state.param_state import ParamState, StateMap
+
+__all__ = ["PagedOptimizer", "LOW_PRECISION_DTYPES"]
 
 # complex64 params are stepped as their float32 real view, as torch.optim does.
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.complex64)
-LOW_PRECISION_DTYPES = (torch.bfloat16, torch.float16)
-
-# Page kinds: every parameter's state has the optimizer's moment streams; bf16/fp16
-# parameters with master_bits on have the master residual too.
-_KIND_PLAIN = 0
-_KIND_WITH_RESIDUAL = 1
 
 _CPU = torch.device("cpu")
-
-
-# A model split over several GPUs (device_map="auto", a QLoRA split over two cards).
-_ONE_OPTIMIZER_PER_DEVICE = (
-    "An optimizer keeps its state in one engine on one device (its pages, cache and copy "
-    "streams); for a model split over devices, build one optimizer per device, e.g. "
-    "[po.AdamW([p for p in model.parameters() if p.device == d]) for d in devices] and step "
-    "each, or shard the model with FSDP2 (docs/drop_in.md, 'Params on several devices')")
 
 
 def _refuse_cuda_graph_capture() -> None:
@@ -74,7 +56,10 @@ def _refuse_cuda_graph_capture() -> None:
             "torch.compile(mode='reduce-overhead') already leaves it out")
 
 class PagedOptimizer(torch.optim.Optimizer):
-    """Base class; subclasses set `_kind` and implement the hooks marked below."""
+    """Base class; subclasses set `_kind` and implement the hooks marked below.
+
+    The state lives in `state_store` (pagedoptim/engine/state_store.py); this class keeps
+    construction, the lifecycle, the step's orchestration and torch's Optimizer contract."""
 
     _kind: str = ""
     # Whether state[p] shows 'step', as torch's optimizer of the algorithm does (torch.optim.SGD
@@ -82,17 +67,14 @@ class PagedOptimizer(torch.optim.Optimizer):
     _step_in_state: bool = True
     # What torch's error for a sparse gradient adds (AdamW: where to go instead).
     _sparse_gradient_hint: str = ""
+    # The store class of the algorithm's state layout.
+    _store_class: type = StateStore
 
     def __init__(self, params: Any, defaults: dict[str, Any], options: PagingOptions) -> None:
         self._options = options
-        self._engine: Any = None
-        self._slots: dict[torch.Tensor, int] = {}
-        self._device: Optional[torch.device] = None
-        self._page_bytes: Optional[int] = None  # chosen when the engine is created
-        self._shard_layouts: dict[torch.Tensor, sharded_params.ShardLayout] = {}
+        self._store = self._store_class(self, self._kind, options)
         self._release_hooks: list[Any] = []
         self._released_this_round: set[int] = set()
-        self._interrupted: Optional[interrupted_step.Interrupted] = None
         self._closed = False
         if isinstance(params, (set, frozenset)):
             raise TypeError("params must be an ordered collection (a list, a generator, "
@@ -101,22 +83,20 @@ class PagedOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.state: StateMap = StateMap(self)
         # What can be known wrong before the first step is reported here, not there.
-        paging.check_before_first_step(options, self._device)
-        self._check_page_file_fits(self._device)
+        paging.check_before_first_step(options, self._store.device)
+        self._store.check_page_file_fits(self._store.device)
         if options.release_grads:
             release_guard.watch(self)
         trainer_route_check.warn_if_trainer_learning_rate_unused(self)
 
-    def _check_page_file_fits(self, device: Optional[torch.device]) -> None:
-        # Meta params (`python -m pagedoptim plan` sizes a 70B model's state with them) never
-        # get a page file.
-        if device is None or device.type == "meta" \
-                or paging.resolve_offload(self._options) != "nvme":
-            return
-        plan = state_plan.plan_state(self, device)
-        paging.check_page_file_fits(self._options, plan.num_pages * plan.page_bytes)
+    @property
+    def state_store(self) -> StateStore:
+        """Where this optimizer's state lives: the pages of its native engine and the
+        translation between them and the tensors optimizer.state and state_dict() show
+        (pagedoptim/engine/state_store.py). Replaced by every load."""
+        return self._store
 
-    # -- lifecycle (pagedoptim/engine/lifecycle.py) -----------------------------------------------
+    # -- lifecycle (pagedoptim/engine/lifecycle.py) -----------------------------------------
 
     def close(self) -> None:
         """Releases the state now: the page file (its descriptor, and so its disk space),
@@ -129,12 +109,8 @@ class PagedOptimizer(torch.optim.Optimizer):
             handle.remove()
         self._release_hooks.clear()
         compiled_step.forget_plan(self)
-        self._slots.clear()
-        self._interrupted = None
         self.state = ClosedState(self)  # type: ignore[assignment]
-        # The last reference: the native destructors drain in-flight I/O, then close the
-        # ring and the page file's descriptor.
-        self._engine = None
+        self._store.close()
 
     @property
     def closed(self) -> bool:
@@ -155,15 +131,12 @@ class PagedOptimizer(torch.optim.Optimizer):
         """The moments the current groups need (fixed once the engine exists)."""
         raise NotImplementedError
 
-    def _all_moments(self) -> list[Moment]:
-        """Every moment this optimizer may keep, whatever its hyperparameters."""
-        raise NotImplementedError
-
     def _group_hyperparameters(self, group: dict[str, Any]) -> tuple:
         """The group's hyperparameters, validated, in the native tuple order."""
         raise NotImplementedError
 
-    def _native_step(self, *args: Any) -> None:
+    def _native_step(self, batch: StepBatch) -> None:
+        """One native step call over `batch` (the engine exists: the batch's slots made it)."""
         raise NotImplementedError
 
     @property
@@ -202,6 +175,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         # named_parameters() gives (name, tensor) pairs; torch unpacks them in its own
         # add_param_group, so look through them here.
         tensors = [p[1] if isinstance(p, tuple) else p for p in params]
+        store = self._store
         for index, p in enumerate(tensors):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"params[{index}] must be a Tensor, got {type(p).__name__}")
@@ -215,14 +189,15 @@ class PagedOptimizer(torch.optim.Optimizer):
             if p.dtype not in _SUPPORTED_DTYPES:
                 raise ValueError(f"params[{index}] has dtype {p.dtype}; pagedoptim supports "
                                  "float32, bfloat16, float16 and complex64 params")
-            if self._device is None:
-                self._device = p.device
-            elif p.device != self._device:
+            if store.device is None:
+                store.device = p.device
+            elif p.device != store.device:
                 raise ValueError(f"params must all be on one device: params[{index}] is on "
-                                 f"{p.device}, earlier params are on {self._device}. "
-                                 f"{_ONE_OPTIMIZER_PER_DEVICE}")
+                                 f"{p.device}, earlier params are on {store.device}. "
+                                 f"{ONE_OPTIMIZER_PER_DEVICE}")
         # torch warns about a param given twice in one group (and steps it twice); so do we.
         super().add_param_group({**param_group, "params": params})
+        store.groups_changed()
         if self._options.release_grads:
             self._register_release_hooks(tensors)
 
@@ -243,27 +218,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         # the device, as torch's fused optimizers do: no host sync. With release_grads
         # GradScaler must not try to unscale gradients that are already gone; claiming
         # support makes it hand them over too, and step() says so.
-        return self._options.release_grads or self._steps_on_a_device()
-
-    def _steps_on_a_device(self) -> bool:
-        """Whether the table kernels step this state: on a CUDA device, or on the simulated
-        device (tests) that emulates them, with GradScaler's tensors as the CUDA ones take."""
-        if self._engine is not None:
-            return self._engine.device != "cpu"
-        device = self._engine_device()
-        if device is None:
-            return False
-        store = paging.store_options(self._options)
-        return paging.engine_device(store, device) != "cpu"
-
-    def _engine_device(self) -> Optional[torch.device]:
-        """Where the state lives: fixed once the engine exists; before that, where the params
-        are now (`opt = po.AdamW(model.parameters()); model.cuda()` is a torch idiom, so the
-        device of the params at construction does not bind)."""
-        if self._engine is not None:
-            return self._device
-        params = self._indexed_params()
-        return params[0].device if params else None
+        return self._options.release_grads or self._store.steps_on_a_device()
 
     def _amp_arguments(self, given: Optional[dict[str, Any]] = None) -> dict[str, torch.Tensor]:
         """GradScaler's found_inf / grad_scale for this step (set on the optimizer by
@@ -276,7 +231,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                 continue
             if not isinstance(value, torch.Tensor):
                 value = torch.tensor(float(value))
-            amp[name] = value.to(device=self._engine_device(), dtype=torch.float32,
+            amp[name] = value.to(device=self._store.engine_device(), dtype=torch.float32,
                                  non_blocking=True).reshape(1)
         return amp
 
@@ -320,19 +275,19 @@ class PagedOptimizer(torch.optim.Optimizer):
         `tensors` are _add_to_batch's target and step (given by a compiled step's op)."""
         _refuse_cuda_graph_capture()
         self.state.sync()
+        store = self._store
         hyperparameters = [self._group_hyperparameters(group) for group in self.param_groups]
         # After a step that raised: a retry finishes it, anything else is refused
         # (pagedoptim/engine/interrupted_step.py).
         first_round, resume = interrupted_step.plan_rounds(
-            type(self).__name__, self._engine, self._interrupted, pending, hyperparameters)
+            type(self).__name__, store.engine, store.interrupted, pending, hyperparameters)
         fingerprint = interrupted_step.StepFingerprint.of(pending, hyperparameters)
-        self._interrupted = None
+        store.interrupted = None
         # A param given twice in a group is stepped twice, one after the other, as torch
         # steps it: each round holds every param at most once.
         round_index = 0
         while pending:
-            batch, repeated, seen = _StepBatch(), [], set()
-            batch.amp, batch.hyperparameters = amp, hyperparameters
+            batch, repeated, seen = StepBatch(hyperparameters, amp), [], set()
             for entry in pending:
                 p, group_id, grad, tensors = entry
                 if id(p) in seen:
@@ -357,122 +312,60 @@ class PagedOptimizer(torch.optim.Optimizer):
                                f"{tuple(p.shape)} has one)")
         return grad
 
-    def _add_to_batch(self, batch: "_StepBatch", p: torch.Tensor, grad: torch.Tensor,
+    def _add_to_batch(self, batch: StepBatch, p: torch.Tensor, grad: torch.Tensor,
                       group_id: int, *, target: Optional[torch.Tensor] = None,
                       step: Optional[torch.Tensor] = None) -> None:
         """Adds param `p` to the batch. The step updates `target` and advances `step`,
         which are p and its step counter unless given: a compiled step hands over the
         tensors of its custom op, which may be functional copies of them."""
-        # is_cuda / is_cpu, not .device: this runs per param per step, and every .device
-        # makes a new object.
-        if p.is_cuda:
-            self._check_cuda_param(p)
-        elif not p.is_cpu:
-            raise NotImplementedError(
-                f"{self._describe(p)} is on {p.device}; pagedoptim steps params on the CPU "
-                "and on CUDA devices")
-        if not (grad.is_cpu and p.is_cpu) and grad.device != p.device:
-            raise ValueError(f"the grad of {self._describe(p)} is on {grad.device}, its param "
-                             f"on {p.device}: they must be on one device")
-        if grad.shape != p.shape or grad.dtype != p.dtype:
-            raise ValueError(f"the grad of {self._describe(p)} has shape {tuple(grad.shape)} "
-                             f"and dtype {grad.dtype}; it must match its param")
-        values = p if target is None else target
-        if sharded_params.is_dtensor(p) or sharded_params.is_dtensor(grad):
-            # FSDP2 / tensor parallelism: the local shards are stepped, with state for them.
-            grad = sharded_params.local_grad(p, grad, lambda: self._describe(p))
-            # The step writes the local shard; a graph may have saved the DTensor itself
-            # (tensor parallelism), whose version counter is its own.
-            torch.autograd.graph.increment_version(values)
-            values = sharded_params.local_tensor(values)
-        if p.is_complex():
-            # As torch.optim does: a complex param and its state are stepped as the real
-            # view, every real and imaginary part an element of its own.
-            values, grad = torch.view_as_real(values), torch.view_as_real(grad)
-        work = values if values.is_contiguous() else values.contiguous()
-        if work is not values:
-            batch.write_back.append((values, work))
-        batch.params.append(work)
-        batch.grads.append(grad if grad.is_contiguous() else grad.contiguous())
-        batch.steps.append(self._step_counter(p) if step is None else step)
-        batch.slots.append(self._slot(p))
-        batch.group_ids.append(group_id)
+        batch.add(self._store, p, grad, group_id,
+                  self._step_counter(p) if step is None else step, target)
 
-    def _check_cuda_param(self, p: torch.Tensor) -> None:
-        if not native.cuda_built():
-            raise RuntimeError(
-                f"{self._describe(p)} is on {p.device}, but this build of pagedoptim has no "
-                "CUDA kernels: rebuild it against a CUDA build of torch with a matching nvcc "
-                "(`PAGEDOPTIM_WITH_CUDA=1 pip install --no-build-isolation -e .`)")
-
-    def _describe(self, p: torch.Tensor) -> str:
-        """'param N (shape (...), dtype)' with N its index in the optimizer's params."""
-        for index, q in enumerate(self._indexed_params()):
-            if q is p:
-                return f"param {index} (shape {tuple(p.shape)}, {p.dtype})"
-        return f"a param of shape {tuple(p.shape)} ({p.dtype})"
-
-    def _run(self, batch: "_StepBatch", fingerprint: interrupted_step.StepFingerprint,
+    def _run(self, batch: StepBatch, fingerprint: interrupted_step.StepFingerprint,
              round_index: int = 0, resume: bool = False) -> None:
         if not batch.params:
             return
+        store = self._store
         try:
             if resume:
-                self._engine.resume_next_step()
-            self._native_step(batch.params, batch.grads, batch.steps, batch.slots,
-                              batch.group_ids, batch.hyperparameters, **batch.amp)
+                store.engine.resume_next_step()
+            self._native_step(batch)
         except BaseException as error:
-            if self._engine is not None and self._engine.interrupted_step is not None:
-                self._interrupted = interrupted_step.Interrupted(
+            if store.engine is not None and store.engine.interrupted_step is not None:
+                store.interrupted = interrupted_step.Interrupted(
                     fingerprint, round_index, interrupted_step.describe_error(error))
             raise
         finally:
-            # Also after an error: the chunks applied before it must reach the params
-            # stepped on contiguous copies, or a retry could not finish the step.
             # Copies of the state read before the step no longer hold it.
             self.state.retire_all()
-            # The kernels wrote the params through their pointers: tell autograd, as an
-            # in-place op would, so a graph that saved a param before the step refuses to
-            # backward through it (torch.optim's in-place updates raise there too).
-            for param in batch.params:  # one at a time: torch < 2.5 takes no list
-                torch.autograd.graph.increment_version(param)
-            for p, work in batch.write_back:
-                p.copy_(work)
+            batch.finish()
 
     @property
     def interrupted_step(self) -> Optional[dict[str, Any]]:
         """None, or what the last step did before it raised: 'pages_done' of 'pages'
         applied, 'resumable' (whether step() with the same gradients can finish it), and
         'error' (what it raised). See docs/reliability.md, "Steps that fail"."""
-        journal = self._engine.interrupted_step if self._engine is not None else None
-        if self._interrupted is None or journal is None or journal["complete"]:
+        store = self._store
+        journal = store.engine.interrupted_step if store.engine is not None else None
+        if store.interrupted is None or journal is None or journal["complete"]:
             return None
         return {"pages_done": journal["pages_done"], "pages": journal["pages"],
-                "resumable": journal["resumable"], "error": self._interrupted.error}
+                "resumable": journal["resumable"], "error": store.interrupted.error}
 
     @open_only
     def discard_interrupted_step(self) -> None:
         """Accepts the interrupted step as it is: its step counters stay advanced and the
         pages it applied stay applied; the rest of it never will be. The next step() is a
         new step. Does nothing when no step was interrupted."""
-        if self._engine is not None:
-            self._engine.discard_interrupted_step()
-        self._interrupted = None
+        if self._store.engine is not None:
+            self._store.engine.discard_interrupted_step()
+        self._store.interrupted = None
 
     def _step_counter(self, p: torch.Tensor) -> torch.Tensor:
         """The param's step count: a 0-dim float32 tensor on the CPU for CPU params, and on
         the param's device for CUDA params (where the kernels advance it, as torch's fused
         optimizers keep it); state[p]['step'] unless the algorithm hides it."""
-        return self.state[p].step_counter(self._step_device(p), self._step_in_state)
-
-    def _step_counter_replaced(self) -> None:
-        """A param's step counter was replaced or reset: a compiled step holding the old
-        one must trace again."""
-        compiled_step.forget_plan(self)
-
-    @staticmethod
-    def _step_device(p: torch.Tensor) -> torch.device:
-        return p.device if p.is_cuda else _CPU
+        return self.state[p].step_counter(p.device if p.is_cuda else _CPU, self._step_in_state)
 
     # -- gradient release ------------------------------------------------------------------
 
@@ -496,13 +389,13 @@ class PagedOptimizer(torch.optim.Optimizer):
             release_guard.check_not_data_parallel()
             release_guard.install()  # accelerate may have been imported after __init__
             self.state.sync()
+        store = self._store
         group = self._group_of(p)
-        batch = _StepBatch()
-        batch.hyperparameters = [self._group_hyperparameters(group)]
+        batch = StepBatch([self._group_hyperparameters(group)])
         pending = [(p, 0, p.grad, {})]
         first_round, resume = interrupted_step.plan_rounds(
-            type(self).__name__, self._engine, self._interrupted, pending, batch.hyperparameters)
-        self._interrupted = None
+            type(self).__name__, store.engine, store.interrupted, pending, batch.hyperparameters)
+        store.interrupted = None
         if first_round > 0:  # a retry of a step that had applied every page
             self._released_this_round.add(id(p))
             p.grad = None
@@ -555,388 +448,26 @@ class PagedOptimizer(torch.optim.Optimizer):
         if self._options.release_grads:
             self._released_this_round.clear()
 
-    # -- the engine ------------------------------------------------------------------------
-
-    def _stream_kinds(self) -> list[list[StreamSpec]]:
-        moments = [spec for moment in self._moments()
-                   for spec in state_format.moment_streams(moment, self._options.state_bits)]
-        kinds = [moments, list(moments)]
-        if self._options.master_bits is not None:
-            kinds[_KIND_WITH_RESIDUAL].append(
-                state_format.residual_stream(self._options.master_bits))
-        return kinds
-
-    def _kind_of(self, p: torch.Tensor) -> int:
-        if self._options.master_bits is not None and p.dtype in LOW_PRECISION_DTYPES:
-            return _KIND_WITH_RESIDUAL
-        return _KIND_PLAIN
-
-    @open_only
-    def _ensure_engine(self) -> Any:
-        if self._engine is None:
-            device = self._engine_device()
-            if device != self._device:
-                # The params moved after construction (`opt = po.AdamW(model.parameters());
-                # model.cuda()`): the paging checks of construction judged another device
-                # (the offload tier chosen, the cache against the GPU's free memory).
-                paging.check_before_first_step(self._options, device)
-                self._check_page_file_fits(device)
-                self._device = device
-            for index, p in enumerate(self._indexed_params()):
-                if p.device != self._device:
-                    raise ValueError(f"params must all be on one device: param {index} is on "
-                                     f"{p.device}, param 0 on {self._device}. "
-                                     f"{_ONE_OPTIMIZER_PER_DEVICE}")
-            self._kinds = self._stream_kinds()
-            native_kinds = [[spec.as_native() for spec in kind] for kind in self._kinds]
-            store = paging.store_options(self._options)
-            device = paging.engine_device(store, self._device)
-            self._page_bytes = paging.choose_page_bytes(self._options, store, self._kinds,
-                                                        self._planned_state())
-            self._engine = native.PagedState(self._kind, native_kinds, self._page_bytes,
-                                             store=store, device=device)
-            if store is not None:
-                paging.warn_about_fallbacks(self._engine)
-                paging.warn_about_host_offload_on_cpu(store, device)
-        return self._engine
-
-    def _slot(self, p: torch.Tensor) -> int:
-        """The parameter's slot in the engine; lays out its state on first use (-1: the
-        parameter keeps no state, as in plain SGD)."""
-        slot = self._slots.get(p)
-        if slot is None:
-            engine = self._ensure_engine()
-            kind = self._kind_of(p)
-            if self._kinds[kind]:
-                if any(spec.per_group for spec in self._kinds[kind]):
-                    self._shard_groups(p)  # raises where a shard would cut a scale group
-                # Pages start zeroed: a zero residual makes the master weight exactly the
-                # 16-bit parameter, which is right for a weight never split before.
-                slot = engine.register_param(_state_numel(p), kind)
-            else:
-                slot = -1
-            self._slots[p] = slot
-        return slot
-
-    def _planned_state(self) -> list[tuple[int, int]]:
-        """(kind, elements) of the state every param of the groups will have: what the
-        page size is chosen for."""
-        return [(self._kind_of(p), _state_numel(p))
-                for p in dict.fromkeys(self._indexed_params())]
-
-    def _streams_of(self, p: torch.Tensor) -> list[StreamSpec]:
-        return self._kinds[self._kind_of(p)]
-
-    # -- DTensor params: state of the local shard (see pagedoptim/state/sharding.py) --------
-
-    def _shard_layout(self, p: torch.Tensor) -> Optional[sharded_params.ShardLayout]:
-        """How p's state is sharded (None: p is not a DTensor)."""
-        if not sharded_params.is_dtensor(p):
-            return None
-        layout = self._shard_layouts.get(p)
-        if layout is None:
-            layout = self._shard_layouts[p] = sharded_params.shard_layout(p)
-        return layout
-
-    def _shard_groups(self, p: torch.Tensor) -> None:
-        layout = self._shard_layout(p)
-        if layout is not None:
-            layout.scales(lambda: self._describe(p))
-
-    def _as_public(self, p: torch.Tensor, value: torch.Tensor, per_group: bool) -> torch.Tensor:
-        """A stream of p's state as optimizer.state and state_dict() show it: a DTensor placed
-        as the global stream would be for a DTensor param, else the local tensor itself."""
-        layout = self._shard_layout(p)
-        if layout is None:
-            return value
-        return sharded_params.as_dtensor(layout, value, per_group, lambda: self._describe(p))
-
-    def _as_local(self, p: torch.Tensor, name: str, value: Any, where: str) -> Any:
-        """A given stream of p (loaded, or assigned to optimizer.state) as p's local shard."""
-        layout = self._shard_layout(p)
-        if layout is None or not isinstance(value, torch.Tensor):
-            return value
-        return sharded_params.local_part(layout, value, state_format.is_group_stream(name),
-                                         lambda: where)
-
-    # -- state in pages, as optimizer.state shows it (see pagedoptim/state/param_state.py) --------
-
-    def _indexed_params(self, groups: Optional[list[dict[str, Any]]] = None
-                        ) -> list[torch.Tensor]:
-        groups = self.param_groups if groups is None else groups
-        return list(itertools.chain.from_iterable(g["params"] for g in groups))
-
-    def _state_stream_names(self) -> set[str]:
-        """Every key a page stream can have in state[p] or a state dict, in any format."""
-        return state_format.all_stream_names(self._all_moments())
-
-    def _is_state_stream_name(self, key: Any) -> bool:
-        return isinstance(key, str) and key in self._state_stream_names()
-
-    def _state_stream_keys(self, p: torch.Tensor) -> list[str]:
-        """The streams `p` has in the pages now, in the stored format ([] before its first
-        step, and for a param that keeps no state)."""
-        if self._engine is None or self._slots.get(p, -1) < 0:
-            return []
-        return [spec.name for spec in self._streams_of(p)]
-
-    def _decoded_names(self, p: torch.Tensor) -> set[str]:
-        """fp32 moment names readable beside their stored 8-bit codes."""
-        stored = set(self._state_stream_keys(p))
-        return {m.name for m in self._all_moments() if f"{m.name}_codes" in stored}
-
-    def _has_state_tensor(self, p: torch.Tensor, key: Any) -> bool:
-        return key in self._state_stream_keys(p) or key in self._decoded_names(p)
-
-    def _read_state_tensor(self, p: torch.Tensor, key: str) -> torch.Tensor:
-        """A new tensor holding stream `key` of `p` (or the fp32 decoding of its codes),
-        shaped like the param; fp32 moments of a complex param are complex, as torch's."""
-        slot = self._slots[p]
-        stored = {spec.name: spec for spec in self._streams_of(p)}
-        shape = _state_shape(p)
-        if key in stored:
-            value = stored[key].tensor_from_bytes(self._engine.read_stream(slot, key), shape)
-        else:
-            given = {name: stored[name].tensor_from_bytes(self._engine.read_stream(slot, name),
-                                                          shape)
-                     for name in (f"{key}_codes", f"{key}_scales")}
-            fp32 = StreamSpec(key, 4 * state_format.GROUP_SIZE, False, torch.float32)
-            value = state_format.convert_for_stream(fp32, self._all_moments(), given,
-                                                    _state_numel(p)).reshape(shape)
-        if p.is_complex() and value.dtype == torch.float32 and value.shape == shape:
-            value = torch.view_as_complex(value)
-        return self._as_public(p, value, state_format.is_group_stream(key))
-
-    def _write_state_tensors(self, p: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
-        """Streams written through optimizer.state[p] (one key, or a whole entry), converted
-        together: one moment's codes and scales become fp32 state and fp32 becomes codes."""
-        self._write_param_streams(p, values, complete=False, where=where_written(values))
-
-    def _write_param_streams(self, p: torch.Tensor, given: dict[str, torch.Tensor],
-                             complete: bool, where: str) -> None:
-        """Writes what `given` holds of `p`'s streams (in any format: fp32 moments and
-        codes convert both ways) into the pages. Everything is converted and checked before
-        anything is written. complete: every stream must be given (a loaded state)."""
-        slot = self._slot(p)
-        if slot < 0:
-            if not given:
-                return
-            raise ValueError(f"{where}: {type(self).__name__} keeps no state for this param "
-                             "with these hyperparameters")
-        for moment in self._all_moments():
-            if moment.name in given and ({f"{moment.name}_codes", f"{moment.name}_scales"}
-                                         & given.keys()):
-                # Which one holds the state is not for us to guess (DCP's full_state_dict
-                # load keeps this optimizer's own stale entries beside a checkpoint's).
-                raise ValueError(f"{where} holds '{moment.name}' both as fp32 and as 8-bit "
-                                 "codes or scales; give one format only (a checkpoint of the "
-                                 "other format loads through pagedoptim.dcp."
-                                 "StateFormatLoadPlanner)")
-        given = {name: _as_real(self._as_local(p, name, value, where), where)
-                 for name, value in given.items()}
-        numel = _state_numel(p)
-        converted = []
-        for spec in self._streams_of(p):
-            value = state_format.convert_for_stream(spec, self._all_moments(), given, numel)
-            if value is None:
-                if complete and spec.name != state_format.RESIDUAL:
-                    # no residual saved: the master is the 16-bit weight
-                    raise ValueError(
-                        f"{where} has no '{spec.name}' and nothing to convert it from; "
-                        f"{type(self).__name__} with these hyperparameters keeps "
-                        f"{[s.name for s in self._streams_of(p)]}")
-                continue
-            if spec.name == state_format.RESIDUAL and value.dtype != spec.dtype:
-                value = _rescaled_residual(value, spec.dtype, where)
-            expected = state_format.expected_numel(spec, numel)
-            if value.numel() != expected:
-                raise ValueError(f"{where}: '{spec.name}' has {value.numel()} elements, "
-                                 f"expected {expected}")
-            raw = value.detach().to(device="cpu", dtype=spec.dtype).contiguous()
-            converted.append((spec.name, raw.view(-1).view(torch.uint8)))
-        if not converted and given:
-            raise ValueError(f"{where}: {sorted(given)} cannot be stored: {type(self).__name__} "
-                             "with these settings keeps "
-                             f"{[s.name for s in self._streams_of(p)]} for this param")
-        for name, raw in converted:
-            self._engine.write_stream(slot, name, raw)
-
-    def _check_write_back(self, p: torch.Tensor, keys: list[str]) -> None:
-        """Changed copies of one moment in two formats cannot both be written back."""
-        for key in keys:
-            if f"{key}_codes" in keys or f"{key}_scales" in keys:
-                raise ValueError(f"optimizer.state[param][{key!r}] and its 8-bit codes or "
-                                 "scales were both changed in place; change one format only")
-
-    def _reset_param_state(self, p: torch.Tensor) -> None:
-        """Back to the state of a param never stepped: zero pages (what new pages hold)."""
-        slot = self._slots.get(p, -1) if self._engine is not None else -1
-        if slot < 0:
-            return
-        for spec in self._streams_of(p):
-            size = self._engine.stream_bytes(slot, spec.name)
-            self._engine.write_stream(slot, spec.name, torch.zeros(size, dtype=torch.uint8))
-
-    def _gather_streams(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Every parameter's page streams as new tensors, by param index."""
-        gathered: dict[int, dict[str, torch.Tensor]] = {}
-        for index, p in enumerate(self._indexed_params()):
-            keys = self._state_stream_keys(p)
-            if keys:
-                gathered[index] = {key: self._read_state_tensor(p, key) for key in keys}
-        return gathered
-
-    def _scatter_streams(self, streams: dict[int, dict[str, torch.Tensor]]) -> None:
-        """Replaces the engine by one holding exactly `streams` (param index -> tensors, in
-        this optimizer's format or another: fp32 moments and codes convert both ways).
-        The new engine has no interrupted step to finish."""
-        self._engine = None
-        self._slots = {}
-        self._interrupted = None
-        if not streams:
-            return
-        params = self._indexed_params()
-        for index in sorted(streams):
-            self._write_param_streams(params[index], streams[index], complete=True,
-                                      where=f"state for param {index}")
-
-    # -- state_dict ------------------------------------------------------------------------
+    # -- state_dict (the bodies: pagedoptim/optim/state_dict.py) ----------------------------
 
     @open_only
     def state_dict(self) -> dict[str, Any]:
         """torch's state_dict, hooks included, with the page streams in each param's state
         (new tensors: a snapshot, unlike torch's references to the live state)."""
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
-        self.state.sync()
-        index_of: dict[int, int] = {}
-        param_groups = []
-        start = 0
-        for group in self.param_groups:
-            packed = {k: v for k, v in group.items() if k != "params"}
-            for offset, p in enumerate(group["params"]):
-                index_of.setdefault(id(p), start + offset)
-            packed["params"] = [index_of[id(p)] for p in group["params"]]
-            start += len(group["params"])
-            param_groups.append(packed)
-        packed_state: dict[Any, Any] = {}
-        for key, value in self.state.items():
-            if not isinstance(key, torch.Tensor):
-                packed_state[key] = value
-                continue
-            entry = dict(value.plain_items()) if isinstance(value, ParamState) else dict(value)
-            if isinstance(entry.get("step"), torch.Tensor):
-                # A snapshot, like the streams, on the CPU where the state is on a device: as
-                # torch's AdamW keeps it (unless fused or capturable), which reads a device
-                # step back with a sync per param per step after loading it.
-                entry["step"] = entry["step"].detach().to("cpu", copy=True)
-            entry.update({name: self._read_state_tensor(key, name)
-                          for name in self._state_stream_keys(key)})
-            if entry:  # torch keeps no entry for a param without state
-                packed_state[index_of[id(key)]] = entry
-        state_dict = {"state": packed_state, "param_groups": param_groups}
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            result = post_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        return state_dict
+        return state_dict_bodies.pack(self)
 
     @open_only
     def torch_state_dict(self) -> dict[str, Any]:
         """This optimizer's state in torch.optim's format, loadable by the torch optimizer of
         the same algorithm: companded moments dequantized to fp32, master residuals dropped
         (torch keeps no master weight; the 16-bit parameter is the weight)."""
-        state_dict = self.state_dict()
-        moments = self._all_moments()
-        params = self._indexed_params()
-        for index, value in state_dict["state"].items():
-            if not isinstance(index, int):
-                continue
-            converted = {k: v for k, v in value.items()
-                         if k not in state_format.all_stream_names(moments)}
-            p = params[index]
-            for moment in self._moments():
-                spec = StreamSpec(moment.name, 4 * state_format.GROUP_SIZE, False, torch.float32)
-                tensor = state_format.convert_for_stream(
-                    spec, moments, {k: _as_real(self._as_local(p, k, v, moment.name), moment.name)
-                                    for k, v in value.items() if isinstance(v, torch.Tensor)},
-                    _state_numel(p))
-                if tensor is not None:
-                    tensor = tensor.reshape(_state_shape(p))
-                    if p.is_complex():
-                        tensor = torch.view_as_complex(tensor.contiguous())
-                    converted[moment.name] = self._as_public(p, tensor, per_group=False)
-            state_dict["state"][index] = converted
-        return state_dict
+        return state_dict_bodies.as_torch_format(self, self.state_dict())
 
     @open_only
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load_state_dict, hooks included. Page streams in any format convert to
         this optimizer's; if anything in the state dict is wrong, nothing is changed."""
-        self.state.sync()
-        state_dict_checks.check_structure(state_dict)
-        state_dict = dict(state_dict)
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        state_dict_checks.check_structure(state_dict)  # as the hooks left it
-        check_algorithm(self._kind, state_dict, type(self).__name__)
-        groups = self.param_groups
-        saved_groups = copy.deepcopy(state_dict["param_groups"])
-        if len(groups) != len(saved_groups):
-            raise ValueError("loaded state dict has a different number of parameter groups")
-        if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
-            raise ValueError("loaded state dict contains a parameter group that doesn't match "
-                             "the size of optimizer's group")
-        id_map = dict(zip(itertools.chain.from_iterable(g["params"] for g in saved_groups),
-                          itertools.chain.from_iterable(g["params"] for g in groups)))
-        index_of = {p: index for index, p in enumerate(self._indexed_params())}
-        stream_names = self._state_stream_names()
-        streams: dict[int, dict[str, torch.Tensor]] = {}
-        plain: dict[torch.Tensor, dict[Any, Any]] = {}
-        other: dict[Any, Any] = {}
-        moments = self._all_moments()
-        for key, value in state_dict["state"].items():
-            if key not in id_map:
-                other[key] = value  # not a param's state: kept as is, as torch keeps it
-                continue
-            p = id_map[key]
-            state_dict_checks.check_param_state(key, value, moments, stream_names,
-                                                _state_numel_global(p))
-            # Sparse streams (torch.optim.SGD's momentum for sparse gradients; their indices
-            # were checked above) are stored dense.
-            own = {k: (v.to_dense() if isinstance(v, torch.Tensor) and v.is_sparse else v)
-                   for k, v in value.items() if k in stream_names and v is not None}
-            if own:
-                streams[index_of[p]] = own
-            plain[p] = {k: (v if k == "step" or not isinstance(v, torch.Tensor) else
-                            _cast_like_torch(p, v, key, state_dict["param_groups"], k))
-                        for k, v in value.items() if k not in stream_names}
-        param_groups = [self._loaded_group(group, saved, index)
-                        for index, (group, saved) in enumerate(zip(groups, saved_groups))]
-        # Staged, then committed: the new state is built beside the old (a new engine, a new
-        # StateMap), and a failure puts every attribute back as it was, the old engine and
-        # its pages included, which nothing here writes to.
-        before = dict(self.__dict__)
-        try:
-            self.param_groups = param_groups
-            self._on_groups_loaded()
-            self.state = StateMap(self)
-            for key, value in other.items():
-                self.state[key] = value
-            self._scatter_streams(streams)
-            for p, entries in plain.items():
-                self._load_plain_state(p, entries, index_of[p] in streams)
-        except BaseException:
-            self.__dict__.clear()
-            self.__dict__.update(before)
-            raise
-        # Only now are copies handed out from the old state stale: after a failed load
-        # they still write back into the state they were read from.
-        self.state.take_over(before["state"])
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+        state_dict_bodies.load(self, state_dict)
 
     def _loaded_group(self, group: dict[str, Any], saved: dict[str, Any],
                       index: int) -> dict[str, Any]:
@@ -963,51 +494,16 @@ class PagedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"loaded param_groups[{index}]['param_names'] must be a list of "
                              f"{len(group['params'])} names (one per param), got {names!r}")
 
-    def _on_groups_loaded(self) -> None:
-        """New param_groups replaced the old ones (subclasses drop what they derived)."""
-
-    # -- streaming checkpoints (pagedoptim/checkpoint/stream.py) ---------------------------
-
-    @open_only
-    def save_checkpoint(self, path: Any) -> None:
-        """Writes the whole optimizer state to the file `path`, page by page: state larger
-        than memory (paged to NVMe) can be saved, where state_dict() would gather it all.
-
-        The file (docs/checkpoint_format.md) holds the param_groups, every param's step and
-        other plain state, and the page streams as checksummed records of about one page.
-        Memory beyond the page cache: one record buffer of the page size (page_bytes) and
-        the header. The write is atomic: a temporary file in the same directory, fsynced,
-        renamed over `path`, the directory fsynced; a crash leaves `path` as it was.
-        Hooks of state_dict() do not run."""
-        checkpoint_stream.save(self, path)
-
-    @open_only
-    def load_checkpoint(self, path: Any) -> None:
-        """Loads a file written by save_checkpoint into this optimizer, page by page; it
-        may use other paging settings (offload, page_bytes, cache_bytes) than the saver,
-        but the same stream format (state_bits, master_bits: else ValueError, convert
-        through state_dict()). Every header field and record checksum is checked; a
-        foreign, truncated or corrupted file raises pagedoptim.CheckpointError (a
-        ValueError) naming the file and the record. The state is loaded into a new engine
-        and replaces the old one only when all of it checked out: on any error the
-        optimizer is left exactly as it was. Memory beyond the new engine's page cache:
-        one record buffer; an optimizer that had state keeps its old engine (its cache
-        and page file) until the load is done. Hooks of load_state_dict() do not run."""
-        checkpoint_stream.load(self, path)
-
-    def _checkpoint_slots(self, p: torch.Tensor) -> list[tuple[str, int, int, list[StreamSpec]]]:
-        """(role, engine slot, elements, streams) of each slot holding p's paged state."""
-        slot = self._slots.get(p, -1)
-        if self._engine is None or slot < 0:
-            return []
-        return [("state", slot, _state_numel(p), self._streams_of(p))]
-
-    def _forget_engine(self) -> None:
-        """Drops the references to the engine and its slots (a load builds a new one), and
-        with them any interrupted step: the new engine has none to finish."""
-        self._engine = None
-        self._slots = {}
-        self._interrupted = None
+    @contextlib.contextmanager
+    def _replacing_state(self, param_groups: list[dict[str, Any]]) -> Iterator[StateStore]:
+        """A load: the groups replaced by `param_groups`, a fresh store and state map to
+        fill (yielded), all of it undone if the body raises (engine/state_store.py)."""
+        with replacing_state(self):
+            self.param_groups = param_groups
+            self._store = self._store.fresh()
+            self.state = StateMap(self)
+            yield self._store
+        compiled_step.forget_plan(self)
 
     def _load_plain_state(self, p: torch.Tensor, entries: dict[Any, Any],
                           has_streams: bool) -> None:
@@ -1032,53 +528,69 @@ class PagedOptimizer(torch.optim.Optimizer):
         """Step of a param whose loaded state has none (torch.optim.SGD keeps no step)."""
         return 0.0
 
+    # -- streaming checkpoints (pagedoptim/checkpoint/stream.py) ---------------------------
+
+    @open_only
+    def save_checkpoint(self, path: Any) -> None:
+        """Writes the whole optimizer state to the file `path`, page by page: state larger
+        than memory (paged to NVMe) can be saved, where state_dict() would gather it all.
+
+        The file (docs/checkpoint_format.md) holds the param_groups, every param's step and
+        other plain state, and the page streams as checksummed records of about one page.
+        Memory beyond the page cache: one record buffer of the page size (page_bytes) and
+        the header. The write is atomic: a temporary file in the same directory, fsynced,
+        renamed over `path`, the directory fsynced; a crash leaves `path` as it was.
+        Hooks of state_dict() do not run."""
+        self.state.sync()
+        checkpoint_stream.save(self._store, self.state, path)
+
+    @open_only
+    def load_checkpoint(self, path: Any) -> None:
+        """Loads a file written by save_checkpoint into this optimizer, page by page; it
+        may use other paging settings (offload, page_bytes, cache_bytes) than the saver,
+        but the same stream format (state_bits, master_bits: else ValueError, convert
+        through state_dict()). Every header field and record checksum is checked; a
+        foreign, truncated or corrupted file raises pagedoptim.CheckpointError (a
+        ValueError) naming the file and the record. The state is loaded into a new engine
+        and replaces the old one only when all of it checked out: on any error the
+        optimizer is left exactly as it was. Memory beyond the new engine's page cache:
+        one record buffer; an optimizer that had state keeps its old engine (its cache
+        and page file) until the load is done. Hooks of load_state_dict() do not run."""
+        self.state.sync()
+        with checkpoint_stream.Reader(self._store, path) as reader:
+            param_groups = [self._loaded_group(group, dict(saved), index)
+                            for index, (group, saved)
+                            in enumerate(zip(self.param_groups, reader.param_groups))]
+            with self._replacing_state(param_groups) as store:
+                reader.read_streams(store)
+                for key, value in reader.other_state():
+                    self.state[key] = value
+                params = store.params()
+                for position, entries, has_streams in reader.plain_state(self._step_in_state):
+                    self._load_plain_state(params[position], entries, has_streams)
+
     # -- copies ----------------------------------------------------------------------------
 
     @open_only
     def __getstate__(self) -> dict[str, Any]:
-        self.state.sync()
-        param_plain, hidden_steps, other = {}, {}, {}
-        for key, value in self.state.items():
-            if isinstance(value, ParamState):
-                param_plain[key] = value.plain_items()
-                if value.hidden_step() is not None:
-                    hidden_steps[key] = value.hidden_step()
-            else:
-                other[key] = value
-        return {"defaults": self.defaults, "param_groups": self.param_groups,
-                "_options": self._options, "_param_plain": param_plain,
-                "_hidden_steps": hidden_steps, "_other_state": other,
-                "_saved_streams": self._gather_streams()}
+        return state_dict_bodies.pickled(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
-        options = state.pop("_options")
-        saved_streams = state.pop("_saved_streams")
-        param_plain = state.pop("_param_plain")
-        hidden_steps = state.pop("_hidden_steps")
-        other = state.pop("_other_state")
+        saved = {name: state.pop(name) for name in state_dict_bodies.PICKLED_FIELDS}
         super().__setstate__({**state, "state": {}})
-        self._options = options
-        self._engine = None
-        self._slots = {}
-        self._page_bytes = None
-        self._shard_layouts = {}
+        self._options = saved["_options"]
+        params = [p for group in self.param_groups for p in group["params"]]
+        self._store = self._store_class(self, self._kind, self._options,
+                                        params[0].device if params else None)
         self._release_hooks = []
         self._released_this_round = set()
-        self._interrupted = None
+        self._closed = False
         self.state = StateMap(self)
-        params = self._indexed_params()
-        self._device = params[0].device if params else None
-        if options.release_grads:
+        if self._options.release_grads:
             release_guard.watch(self)
             self._register_release_hooks(params)
-        self._scatter_streams(saved_streams)
-        for p, entries in param_plain.items():
-            self.state[p].update(entries)
-        for p, step in hidden_steps.items():
-            self.state[p].set_hidden_step(step)
-        for key, value in other.items():
-            self.state[key] = value
+        state_dict_bodies.restore_pickled(self, saved)
 
     # -- reports ---------------------------------------------------------------------------
 
@@ -1096,27 +608,21 @@ class PagedOptimizer(torch.optim.Optimizer):
         paged CPU state), 'host_tier' and 'nvme' (the tier below a CPU cache, the page
         file).
         """
+        store = self._store
         # A DTensor param counts its local shard: what this rank holds.
-        params = [sharded_params.local_tensor(p) for p in self._indexed_params()]
+        params = [sharded_params.local_tensor(p) for p in store.params()]
         num_elements = sum(p.numel() for p in params)
         param_bytes = sum(p.numel() * p.element_size() for p in params)
-        grads = [sharded_params.local_tensor(p.grad) for p in self._indexed_params()
+        grads = [sharded_params.local_tensor(p.grad) for p in store.params()
                  if p.grad is not None]
         grad_bytes = sum(g.numel() * g.element_size() for g in grads)
-        stream_bytes = {"moment_bytes": 0, "scale_bytes": 0, "residual_bytes": 0}
         page_bytes = num_pages = 0
         placement: dict[str, int] = {}
-        if self._engine is not None:
-            usage = self._engine.memory_usage()
+        if store.engine is not None:
+            usage = store.engine.memory_usage()
             page_bytes, num_pages = usage["state_bytes"], usage["num_pages"]
             placement = dict(usage["placement"])
-            for p, slot in self._slots.items():
-                if slot < 0:
-                    continue
-                for spec in self._streams_of(p):
-                    stream_bytes[state_format.report_field(spec)] += \
-                        self._engine.stream_bytes(slot, spec.name)
-        moment_bytes, scale_bytes, residual_bytes = stream_bytes.values()
+        moment_bytes, scale_bytes, residual_bytes = store.stream_bytes().values()
         step_bytes = 4 * sum(1 for v in self.state.values() if isinstance(v, ParamState)
                              and (v.hidden_step() is not None or "step" in v.plain_items()))
         state_bytes = page_bytes + step_bytes
@@ -1132,7 +638,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             "page_slack_bytes": page_bytes - moment_bytes - scale_bytes - residual_bytes,
             "num_pages": num_pages,
             "state_placement": placement,
-            "page_bytes": (self._page_bytes if self._page_bytes is not None
+            "page_bytes": (store.page_bytes if store.page_bytes is not None
                            else self._options.page_bytes),
             "num_elements": num_elements,
             "state_bytes_per_param": state_bytes / per_param,
@@ -1145,76 +651,4 @@ class PagedOptimizer(torch.optim.Optimizer):
         read and written per tier, stall_seconds (time the step waited for I/O), evictions,
         errors, the io backend and why it fell back, the O_DIRECT status. offload is None
         when the state is not paged; everything counts zero before the first step."""
-        if self._engine is None:
-            return paging.stats_before_first_step(self._options)
-        return self._engine.paging_stats()
-
-
-def _state_numel(p: torch.Tensor) -> int:
-    """Elements of state per param: a complex param has two per element (its real view);
-    a DTensor param keeps state for its local shard."""
-    return sharded_params.local_tensor(p).numel() * (2 if p.is_complex() else 1)
-
-
-def _state_numel_global(p: torch.Tensor) -> int:
-    """Elements of the whole state of p (of every shard, for a DTensor param)."""
-    return p.numel() * (2 if p.is_complex() else 1)
-
-
-def _state_shape(p: torch.Tensor) -> torch.Size:
-    shape = sharded_params.local_tensor(p).shape
-    return torch.Size([*shape, 2]) if p.is_complex() else shape
-
-
-def _cast_like_torch(p: torch.Tensor, value: torch.Tensor, index: Any,
-                     param_groups: list[dict[str, Any]], key: Any) -> torch.Tensor:
-    """A loaded state tensor other than a stream, cast to p's dtype and device as torch's
-    load_state_dict casts it; a cast that fails (a tensor too large to copy) names it."""
-    try:
-        return torch.optim.Optimizer._process_value_according_to_param_policy(
-            p, value, index, param_groups, key)
-    except RuntimeError as error:
-        raise ValueError(f"state for param {index!r}[{key!r}] could not be cast to its "
-                         f"param's dtype and device ({p.dtype}, {p.device}): {error}") from None
-
-
-def _rescaled_residual(value: torch.Tensor, dtype: torch.dtype, where: str) -> torch.Tensor:
-    """A master residual saved with the other master_bits, in `dtype`'s code range: the
-    residual is r / K half-ulps of the 16-bit weight, so r scales by K_new / K_old (int8 to
-    int16 exactly; int16 to int8 rounded, within the int8 residual's own error)."""
-    limits = state_dict_checks.RESIDUAL_LIMITS
-    if value.dtype not in limits:
-        raise TypeError(f"{where}: '{state_format.RESIDUAL}' must be int8 (master_bits=24) or "
-                        f"int16 (master_bits=32), got {value.dtype}")
-    scaled = value.to(torch.float64) * (limits[dtype] / limits[value.dtype])
-    return torch.round(scaled).clamp_(-limits[dtype], limits[dtype]).to(dtype)
-
-
-def _as_real(value: Any, where: str) -> torch.Tensor:
-    """A state tensor as the kernels hold it: dense, and real (a complex moment as its real
-    view, as torch.optim steps complex params)."""
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{where} must be a Tensor, got {type(value).__name__}")
-    # What optimizer.state[p][key] = value writes is checked as a loaded stream is: a sparse
-    # tensor with indices outside its size must not be densified.
-    state_dict_checks.check_tensor(value, where)
-    if value.is_sparse:
-        value = value.to_dense()  # torch.optim.SGD's momentum for sparse gradients
-    return torch.view_as_real(value) if value.is_complex() else value
-
-
-class _StepBatch:
-    """The arguments of one native step call, collected parameter by parameter."""
-
-    __slots__ = ("params", "grads", "steps", "slots", "group_ids", "hyperparameters",
-                 "write_back", "amp")
-
-    def __init__(self) -> None:
-        self.params: list[torch.Tensor] = []
-        self.grads: list[torch.Tensor] = []
-        self.steps: list[torch.Tensor] = []
-        self.slots: list[int] = []
-        self.group_ids: list[int] = []
-        self.hyperparameters: list[tuple] = []
-        self.write_back: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.amp: dict[str, torch.Tensor] = {}
+        return self._store.paging_stats()

@@ -10,9 +10,21 @@ from pagedoptim.optim import torch_flags
 
 from pagedoptim.state import format as state_format
 from pagedoptim._validation import as_flag, check_non_negative
+from pagedoptim.engine.state_store import StateStore
+from pagedoptim.engine.step_batch import StepBatch
 from pagedoptim.optim.optimizer import PagedOptimizer
 from pagedoptim.paging.options import PagingOptions
 from pagedoptim.state.format import Moment
+
+
+class _SGDStore(StateStore):
+    def write(self, p: torch.Tensor, values: dict[str, torch.Tensor], where: str) -> None:
+        """A momentum buffer written through optimizer.state is stepped from, as torch's
+        SGD steps from any buffer it finds: the hidden count leaves 'first step'."""
+        super().write(p, values, where)
+        param_state = self.optimizer.state[p]
+        if (param_state.hidden_step() or 0.0) < 1.0:
+            param_state.set_hidden_step(1.0)
 
 
 class SGD(PagedOptimizer):
@@ -24,6 +36,7 @@ class SGD(PagedOptimizer):
     # torch.optim.SGD's state holds only momentum_buffer; the step count that tells a first
     # step (the buffer starts as the gradient) from later ones is kept out of sight.
     _step_in_state = False
+    _store_class = _SGDStore
 
     def __init__(
         self,
@@ -81,8 +94,6 @@ class SGD(PagedOptimizer):
             return [self._MOMENTUM]
         return []
 
-    def _all_moments(self) -> list[Moment]:
-        return [self._MOMENTUM]
 
     def _dense_grad(self, p: torch.Tensor, grad: torch.Tensor,
                     group: dict[str, Any]) -> torch.Tensor:
@@ -97,16 +108,8 @@ class SGD(PagedOptimizer):
                                f"gradient); param of shape {tuple(p.shape)} has one")
         return grad.to_dense()
 
-    def _write_state_tensors(self, p: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
-        """A momentum buffer written through optimizer.state is stepped from, as torch's
-        SGD steps from any buffer it finds: the hidden count leaves 'first step'."""
-        super()._write_state_tensors(p, values)
-        param_state = self.state[p]
-        if (param_state.hidden_step() or 0.0) < 1.0:
-            param_state.set_hidden_step(1.0)
-
-    def _native_step(self, *args: Any, **amp: Any) -> None:
-        self._ensure_engine().step_sgd(*args, **amp)
+    def _native_step(self, batch: StepBatch) -> None:
+        self.state_store.engine.step_sgd(*batch.native_args(), **batch.amp)
 
     def _default_step(self, has_streams: bool) -> float:
         # torch.optim.SGD keeps no step; a parameter that has a momentum buffer has been

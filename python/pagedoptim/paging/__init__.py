@@ -268,8 +268,9 @@ def _frames_to_the_caller() -> int:
     """warnings.warn's stacklevel that names the first frame outside pagedoptim and torch
     (the step() call of the user's loop, or Trainer's), for a warning issued from wherever
     the state happens to be built (step, state_dict, load_state_dict)."""
-    packages = (os.path.dirname(os.path.abspath(__file__)),
-                os.path.dirname(os.path.abspath(torch.__file__)))
+    # This file is pagedoptim/paging/__init__.py: the package is two levels up.
+    packages = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+                os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
     frame, level = sys._getframe(1), 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(packages):
         frame, level = frame.f_back, level + 1
@@ -307,20 +308,21 @@ def warn_about_host_offload_on_cpu(store: Optional[dict], engine_device_name: st
 def set_fault_rules(optimizer: Any, rules: list[dict[str, Any]]) -> None:
     """Replaces the faults injected into an optimizer's page file (tests). The optimizer's
     state must have been created inside `store_overrides(faults=[...])`."""
-    native.set_fault_rules(optimizer._ensure_engine(), rules)
+    native.set_fault_rules(optimizer.state_store.ensure_engine(), rules)
 
 
 def fault_counts(optimizer: Any) -> list[int]:
-    return list(native.fault_counts(optimizer._ensure_engine()))
+    return list(native.fault_counts(optimizer.state_store.ensure_engine()))
 
 
 def sigint_before_batch(optimizer: Any, batch: int) -> None:
     """Tests: the optimizer's next native step raises SIGINT in this process right before
     its batch `batch` (>= 1) of pinned pages, as a Ctrl-C arriving there would (once)."""
-    optimizer._ensure_engine().set_sigint_before_batch(batch)
+    optimizer.state_store.ensure_engine().set_sigint_before_batch(batch)
 
 
 def drain(optimizer: Any) -> None:
     """Waits until the pager of the optimizer has no I/O in flight."""
-    if optimizer._engine is not None and optimizer._engine.paging_stats()["offload"]:
-        native.drain_paging(optimizer._engine)
+    engine = optimizer.state_store.engine
+    if engine is not None and engine.paging_stats()["offload"]:
+        native.drain_paging(engine)

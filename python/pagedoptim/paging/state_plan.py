@@ -73,13 +73,14 @@ def _placement(offload: Optional[str], device: torch.device, all_bytes: int, num
     return {"host": resident, ("nvme" if offload == "nvme" else "host_tier"): all_bytes}
 
 
-def plan_state(optimizer: Any, device: torch.device | str) -> StatePlan:
-    """The state `optimizer` (a pagedoptim optimizer, before its first step) will have when
-    its params live on `device`; every param of its groups is counted as stepped."""
+def plan_state(store: Any, device: torch.device | str) -> StatePlan:
+    """The state the StateStore of an optimizer (`optimizer.state_store`, before its first
+    step) will have when its params live on `device`; every param of its groups is counted
+    as stepped."""
     device = torch.device(device)
-    options = optimizer._options
-    kinds = optimizer._stream_kinds()
-    planned = optimizer._planned_state()  # (kind, elements) per distinct param
+    options = store.options
+    kinds = store.stream_kinds()
+    planned = store.planned_state()  # (kind, elements) per distinct param
     store = paging.store_options(options)
     page_bytes = paging.choose_page_bytes(options, store, kinds, planned)
     native_kinds = [[spec.as_native() for spec in kind] for kind in kinds]

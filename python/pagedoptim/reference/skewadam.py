@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from pagedoptim.reference import power_of
-from pagedoptim.optim.skewadam import ParamLayout, layout_of
+from pagedoptim.optim.skewadam_store import ParamLayout, layout_of
 from pagedoptim.optim.tiers import check_tier
 
 

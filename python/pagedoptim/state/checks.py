@@ -95,7 +95,7 @@ def check_param_state(index: Any, value: Any, moments: list[state_format.Moment]
     whose values their encoder can have written. `max_numel`: the elements of the param's
     whole (global) state; no stream is larger, and checking it first keeps the value checks
     from reading a huge tensor (an expanded one has no memory of its own). Exact sizes are
-    checked where the param's layout is known (PagedOptimizer._write_param_streams)."""
+    checked where the param's layout is known (StateStore.write_streams)."""
     where = f"state for param {index!r}"
     if not isinstance(value, Mapping):
         raise TypeError(f"{where} must be a dict of state names to tensors, got "

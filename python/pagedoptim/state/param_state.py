@@ -82,8 +82,8 @@ class ParamState(collections.abc.MutableMapping):
         self._checked_out: dict[str, _CheckedOut] = {}
 
     @property
-    def _owner(self) -> Any:
-        return self._map.owner
+    def _store(self) -> Any:
+        return self._map.store
 
     # -- the mapping -----------------------------------------------------------------------
 
@@ -93,26 +93,26 @@ class ParamState(collections.abc.MutableMapping):
         checked_out = self._checked_out.get(key)
         if checked_out is not None:
             return checked_out.tensor
-        if not self._owner._has_state_tensor(self._param, key):
+        if not self._store.has_tensor(self._param, key):
             raise KeyError(key)
-        tensor = self._owner._read_state_tensor(self._param, key)
+        tensor = self._store.read(self._param, key)
         self._checked_out[key] = _CheckedOut(tensor)
         self._map._note_checked_out(self)
         return tensor
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        if self._owner._is_state_stream_name(key):
+        if self._store.is_stream_name(key):
             self.write_streams({key: value})
             return
         self._plain[key] = value
         if key == "step":
-            self._owner._step_counter_replaced()
+            self._store.step_counter_replaced()
 
     def __delitem__(self, key: Any) -> None:
         if key in self._plain:
             del self._plain[key]
             return
-        if key in self._stream_keys() or self._owner._is_state_stream_name(key):
+        if key in self._stream_keys() or self._store.is_stream_name(key):
             raise KeyError(f"{key!r} is part of this parameter's paged state and cannot be "
                            "deleted on its own: delete optimizer.state[param] to reset the "
                            "whole state, or assign a new value")
@@ -127,13 +127,13 @@ class ParamState(collections.abc.MutableMapping):
 
     def __contains__(self, key: Any) -> bool:
         return key in self._plain or key in self._checked_out \
-            or self._owner._has_state_tensor(self._param, key)
+            or self._store.has_tensor(self._param, key)
 
     def __repr__(self) -> str:
         return f"ParamState({dict(self)!r})"
 
     def _stream_keys(self) -> list[str]:
-        return self._owner._state_stream_keys(self._param)
+        return self._store.stream_keys(self._param)
 
     def write_streams(self, values: dict[str, Any]) -> None:
         """Writes page streams into the pages at once, converted together to the stored
@@ -146,7 +146,7 @@ class ParamState(collections.abc.MutableMapping):
         # Other checked-out streams of this param are written back first, so the new
         # values are not overwritten by older copies; afterwards they are stale.
         self.write_back()
-        self._owner._write_state_tensors(self._param, values)
+        self._store.write(self._param, values, where_written(values))
         self._retire_checked_out()
 
     # -- the step counter ------------------------------------------------------------------
@@ -190,8 +190,8 @@ class ParamState(collections.abc.MutableMapping):
         changed = {key: c.tensor for key, c in self._checked_out.items() if c.changed()}
         if not changed:
             return
-        self._owner._check_write_back(self._param, list(changed))
-        self._owner._write_state_tensors(self._param, changed)
+        self._store.check_write_back(list(changed))
+        self._store.write(self._param, changed, where_written(changed))
         for key, tensor in changed.items():
             self._checked_out[key].version = _versions(tensor)
 
@@ -218,6 +218,12 @@ class StateMap(collections.defaultdict):
         if owner is None:
             raise RuntimeError("the optimizer this state belongs to no longer exists")
         return owner
+
+    @property
+    def store(self) -> Any:
+        """The owner's StateStore (pagedoptim/engine/state_store.py), looked up on every use:
+        a load replaces it, and this map may outlive the load."""
+        return self.owner.state_store
 
     def __missing__(self, key: Any) -> Any:
         value = ParamState(self, key) if isinstance(key, torch.Tensor) else {}
@@ -255,7 +261,7 @@ class StateMap(collections.defaultdict):
         fresh = self[key]
         streams = {}
         for name, entry in entries.items():
-            if self.owner._is_state_stream_name(name):
+            if self.store.is_stream_name(name):
                 streams[name] = entry
             else:
                 fresh[name] = entry
@@ -306,8 +312,8 @@ class StateMap(collections.defaultdict):
         if isinstance(value, ParamState):
             value._retire_checked_out()
             self._with_checked_out.pop(id(value), None)
-            self.owner._reset_param_state(key)
-            self.owner._step_counter_replaced()
+            self.store.reset(key)
+            self.store.step_counter_replaced()
         if key in self:
             dict.__delitem__(self, key)
 
