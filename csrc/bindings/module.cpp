@@ -1,7 +1,7 @@
 // The pagedoptim._C extension module.
 #include <torch/extension.h>
 
-#include "bindings/simulated_backend.h"
+#include "bindings/backends/simulated_backend.h"
 #include "kernels/cpu/step_kernels.h"
 #include "pagedoptim/io/crc32c.h"
 

@@ -17,11 +17,11 @@
 #include "pagedoptim/optim/paged_state.h"
 #include "pagedoptim/paging/page_table.h"
 #include "bindings/page_store_binding.h"
-#include "bindings/simulated_backend.h"
+#include "bindings/backends/simulated_backend.h"
 #include "bindings/tensor_args.h"
 #ifdef PAGEDOPTIM_WITH_CUDA
-#include "bindings/cuda_backend.h"
-#include "bindings/cuda_device.h"
+#include "bindings/backends/cuda_backend.h"
+#include "device/cuda/cuda_device.h"
 #endif
 
 namespace pagedoptim::bindings {
@@ -233,7 +233,9 @@ std::unique_ptr<paging::PageStore> make_store(const py::object& store, int64_t p
   if (device == kSimulatedDevice) return make_simulated_page_store(store, page_bytes);
   if (device < 0) return make_page_store(store, page_bytes);
 #ifdef PAGEDOPTIM_WITH_CUDA
-  if (!store.is_none()) return make_device_page_store(store, page_bytes, cuda_device(device));
+  if (!store.is_none()) {
+    return make_device_page_store(store, page_bytes, pagedoptim::device::cuda_device(device));
+  }
   return make_cuda_page_store(page_bytes, device);
 #else
   TORCH_CHECK(false, "this build of pagedoptim has no CUDA kernels, so it cannot keep state on "

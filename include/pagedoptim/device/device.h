@@ -8,9 +8,10 @@
 //            the marker's latest record (captured when wait() is called, as CUDA does);
 //            synchronize() makes the host wait for it.
 //
-// Implementations: the CUDA device (csrc/bindings/cuda_device.cpp, a thin layer over the
-// CUDA runtime and torch's caching allocator) and the simulated device (csrc/device/
-// simulated_device.h: host memory, worker threads as streams, random completion delays).
+// Implementations: the CUDA device (csrc/device/cuda/cuda_device.cpp, a thin layer over the
+// CUDA runtime and torch's caching allocator) and the simulated device, test support
+// (csrc/device/testing/simulated_device.h: host memory, worker threads as streams, random
+// completion delays).
 // Launching a kernel is the table runner's job; the device only hands it a stream.
 //
 // Thread safety: every method may be called from any thread (the page cache's retirer

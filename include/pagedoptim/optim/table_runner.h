@@ -2,7 +2,7 @@
 //
 // The step driver (csrc/optim/table_step.cpp) decides what to step: it pins pages, turns
 // them into rows (pagedoptim/kernels/step_table.h) and groups the rows by kernel variant.
-// A TableRunner decides where and how: the CUDA runner (csrc/bindings/cuda_backend.cpp)
+// A TableRunner decides where and how: the CUDA runner (csrc/bindings/backends/cuda_backend.cpp)
 // uploads the rows and launches one kernel per table on the current stream, with no host
 // synchronization; the CPU tests' runner emulates the same kernel bodies on the host.
 #pragma once

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "emulation_util.h"
-#include "device/host_table_runner.h"
+#include "device/testing/host_table_runner.h"
 #include "pagedoptim/optim/paged_state.h"
 
 namespace pagedoptim::optim {

@@ -16,10 +16,10 @@
 #include <utility>
 #include <vector>
 
-#include "device/simulated_device.h"
-#include "device/simulated_table_runner.h"
+#include "device/testing/simulated_device.h"
+#include "device/testing/simulated_table_runner.h"
 #include "emulation_util.h"
-#include "device/host_table_runner.h"
+#include "device/testing/host_table_runner.h"
 #include "pagedoptim/thread_start.h"
 #include "pagedoptim/codec/float_convert.h"
 #include "pagedoptim/optim/paged_state.h"

@@ -11,7 +11,7 @@
 #include <thread>
 #include <vector>
 
-#include "device/host_table_runner.h"
+#include "device/testing/host_table_runner.h"
 #include "isa_test_util.h"
 #include "kernels/cpu/step_kernels.h"
 #include "pagedoptim/codec/float_convert.h"

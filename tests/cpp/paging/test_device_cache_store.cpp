@@ -18,7 +18,7 @@
 
 #include <gtest/gtest.h>
 
-#include "device/simulated_device.h"
+#include "device/testing/simulated_device.h"
 #include "pagedoptim/paging/device_cache_store.h"
 #include "pagedoptim/paging/page_errors.h"
 #include "pagedoptim/paging/pinned_host_store.h"

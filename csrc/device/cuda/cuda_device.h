@@ -7,7 +7,7 @@
 
 #include "pagedoptim/device/device.h"
 
-namespace pagedoptim::bindings {
+namespace pagedoptim::device {
 
 // One device object per GPU, alive for the whole process (page stores of any optimizer may
 // refer to it until interpreter exit). Throws c10::Error for an index that does not exist.
@@ -16,4 +16,4 @@ device::Device& cuda_device(int index);
 // The GPU index of a device from cuda_device(); -1 for any other device.
 int cuda_index_of(const device::Device& device);
 
-}  // namespace pagedoptim::bindings
+}  // namespace pagedoptim::device

@@ -9,8 +9,8 @@
 #include <utility>
 #include <vector>
 
-#include "device/host_table_runner.h"
-#include "device/simulated_device.h"
+#include "device/testing/host_table_runner.h"
+#include "device/testing/simulated_device.h"
 
 namespace pagedoptim::device {
 

@@ -14,7 +14,7 @@
 // launches the scalar preparation and one kernel per table on the current stream of the
 // params' device. Nothing in a step waits for the device unless PAGEDOPTIM_CUDA_DEBUG_SYNC=1,
 // which synchronizes and checks after every launch.
-#include "bindings/cuda_backend.h"
+#include "bindings/backends/cuda_backend.h"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -27,7 +27,7 @@
 #include <string>
 #include <utility>
 
-#include "bindings/cuda_device.h"
+#include "device/cuda/cuda_device.h"
 #include "bindings/tensor_args.h"
 #include "kernels/cuda/table_kernels.cuh"
 #include "pagedoptim/paging/device_cache_store.h"
@@ -344,7 +344,7 @@ class DeviceState {
       : resident_(dynamic_cast<CudaPageStore*>(&state.store())),
         cached_(dynamic_cast<paging::DeviceCacheStore*>(&state.store())) {
     device_ = resident_ != nullptr ? resident_->device()
-              : cached_ != nullptr ? cuda_index_of(cached_->device())
+              : cached_ != nullptr ? pagedoptim::device::cuda_index_of(cached_->device())
                                    : -1;
     TORCH_CHECK(device_ >= 0, "this optimizer state lives on the CPU, not on a CUDA device");
   }
@@ -451,7 +451,7 @@ std::unique_ptr<paging::PageStore> make_cuda_page_store(int64_t page_bytes, int 
 int cuda_device_of(optim::PagedState& state) {
   if (auto* store = dynamic_cast<CudaPageStore*>(&state.store())) return store->device();
   if (auto* store = dynamic_cast<paging::DeviceCacheStore*>(&state.store())) {
-    return cuda_index_of(store->device());
+    return pagedoptim::device::cuda_index_of(store->device());
   }
   return -1;
 }

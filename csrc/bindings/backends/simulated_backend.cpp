@@ -1,8 +1,8 @@
-#include "bindings/simulated_backend.h"
+#include "bindings/backends/simulated_backend.h"
 
 #include "bindings/page_store_binding.h"
-#include "device/simulated_device.h"
-#include "device/simulated_table_runner.h"
+#include "device/testing/simulated_device.h"
+#include "device/testing/simulated_table_runner.h"
 #include "pagedoptim/paging/device_cache_store.h"
 
 namespace pagedoptim::bindings {

@@ -1,4 +1,5 @@
-// The fault-injecting decorator behind make_fault_injecting_engine().
+// Test support: the fault-injecting decorator behind make_fault_injecting_engine(), which
+// tests (and store_overrides(faults=...)) wrap a real engine in to fail reads and writes.
 #pragma once
 
 #include <sys/uio.h>

@@ -1,4 +1,4 @@
-#include "io/fault_injecting_engine.h"
+#include "io/testing/fault_injecting_engine.h"
 
 #include <algorithm>
 #include <cerrno>

@@ -1,4 +1,4 @@
-#include "bindings/cuda_device.h"
+#include "device/cuda/cuda_device.h"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-namespace pagedoptim::bindings {
+namespace pagedoptim::device {
 namespace {
 
 class CudaDevice final : public device::Device {
@@ -163,4 +163,4 @@ int cuda_index_of(const device::Device& device) {
   return cuda == nullptr ? -1 : cuda->index();
 }
 
-}  // namespace pagedoptim::bindings
+}  // namespace pagedoptim::device

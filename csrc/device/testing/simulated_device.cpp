@@ -1,4 +1,4 @@
-#include "device/simulated_device.h"
+#include "device/testing/simulated_device.h"
 #include "pagedoptim/thread_start.h"
 
 #include <algorithm>

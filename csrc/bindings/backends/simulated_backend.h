@@ -1,4 +1,4 @@
-// Optimizer state on the simulated device (csrc/device/simulated_device.h), for tests: a
+// Optimizer state on the simulated device (csrc/device/testing/simulated_device.h), for tests: a
 // device page cache over "pinned" host memory or the page file, stepped by the host
 // emulation of the CUDA table kernels on a simulated stream, so that the Python tests can
 // run the GPU paging orchestration on machines without a GPU. The params are CPU tensors
