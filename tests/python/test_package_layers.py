@@ -100,6 +100,46 @@ def test_every_import_points_down_the_layers():
     assert not wrong, "imports that point up or across the layers:\n" + "\n".join(wrong)
 
 
+def _optimizer_privates() -> set[str]:
+    """Every _name an optimizer has: its classes' methods and attributes, and what
+    construction and a step put on an instance."""
+    names: set[str] = set()
+    for cls in (po.PagedOptimizer, po.AdamW, po.SGD, po.Lion, po.SkewAdam):
+        names |= {n for n in vars(cls) if n.startswith("_") and not n.startswith("__")}
+    p = torch.nn.Parameter(torch.randn(4, 32))
+    opt = po.AdamW([p], release_grads=False)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    names |= {n for n in vars(opt) if n.startswith("_") and not n.startswith("__")}
+    # torch.optim.Optimizer's own (hooks, the step counter's code) are torch's contract.
+    names -= {n for n in vars(torch.optim.Optimizer) if n.startswith("_")}
+    return names
+
+
+def test_only_optim_and_engine_touch_an_optimizer_private():
+    """The optimizer's privates are read by its own layer (optim/) and the engine it drives
+    (engine/); everything else goes through public names: `optimizer.state_store`,
+    `param_groups`, `state`. A subclass of ours calling super() is its own business."""
+    import ast
+    privates = _optimizer_privates()
+    assert {"_store", "_options", "_step_params", "_native_step"} <= privates
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE)
+        if where.parts[0] in ("optim", "engine"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.Attribute) and node.attr in privates):
+                continue
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if isinstance(owner, ast.Call) and getattr(owner.func, "id", None) == "super":
+                continue
+            wrong.append(f"{where}:{node.lineno} reads .{node.attr}")
+    assert not wrong, "optimizer privates read outside optim/ and engine/:\n" + "\n".join(wrong)
+
+
 # -- the native module's stub ----------------------------------------------------------------
 
 def _stub_names() -> tuple[set[str], set[str]]:

@@ -31,11 +31,13 @@ from pagedoptim import paging
 from pagedoptim._native import native
 from pagedoptim.engine import compiled_step, interrupted_step, lifecycle
 from pagedoptim.paging import state_plan
+from pagedoptim.paging.state_plan import STEP_COUNTER_BYTES
 from pagedoptim.paging.options import PagingOptions
 from pagedoptim.state import checks as state_dict_checks
 from pagedoptim.state import format as state_format
 from pagedoptim.state import sharding as sharded_params
 from pagedoptim.state.format import Moment, StreamSpec
+from pagedoptim.state.param_state import ParamState
 
 LOW_PRECISION_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -423,15 +425,49 @@ class StateStore:
 
     # -- reports ---------------------------------------------------------------------------
 
-    def stream_bytes(self) -> dict[str, int]:
-        """Payload bytes of the streams by memory_report() field."""
-        totals = {"moment_bytes": 0, "scale_bytes": 0, "residual_bytes": 0}
+    def memory_report(self, state_map: Any) -> dict[str, Any]:
+        """optimizer.memory_report() (see its docstring), with `state_map` the optimizer's
+        state (its step counters count in 'step_bytes')."""
+        # A DTensor param counts its local shard: what this rank holds.
+        params = [sharded_params.local_tensor(p) for p in self.params()]
+        num_elements = sum(p.numel() for p in params)
+        param_bytes = sum(p.numel() * p.element_size() for p in params)
+        grads = [sharded_params.local_tensor(p.grad) for p in self.params()
+                 if p.grad is not None]
+        grad_bytes = sum(g.numel() * g.element_size() for g in grads)
+        page_bytes = num_pages = 0
+        placement: dict[str, int] = {}
+        if self.engine is not None:
+            usage = self.engine.memory_usage()
+            page_bytes, num_pages = usage["state_bytes"], usage["num_pages"]
+            placement = dict(usage["placement"])
+        stream_bytes = {"moment_bytes": 0, "scale_bytes": 0, "residual_bytes": 0}
         for p in self.stepped_params():
-            slot = self._slots[p]
             for spec in self.streams_of(p):
-                totals[state_format.report_field(spec)] += self.engine.stream_bytes(slot,
-                                                                                    spec.name)
-        return totals
+                stream_bytes[state_format.report_field(spec)] += \
+                    self.engine.stream_bytes(self._slots[p], spec.name)
+        moment_bytes, scale_bytes, residual_bytes = stream_bytes.values()
+        step_bytes = STEP_COUNTER_BYTES * sum(1 for value in state_map.values()
+                                              if _counts_steps(value))
+        state_bytes = page_bytes + step_bytes
+        per_param = max(num_elements, 1)
+        return {
+            "param_bytes": param_bytes,
+            "grad_bytes": grad_bytes,
+            "state_bytes": state_bytes,
+            "moment_bytes": moment_bytes,
+            "scale_bytes": scale_bytes,
+            "residual_bytes": residual_bytes,
+            "step_bytes": step_bytes,
+            "page_slack_bytes": page_bytes - moment_bytes - scale_bytes - residual_bytes,
+            "num_pages": num_pages,
+            "state_placement": placement,
+            "page_bytes": self.page_bytes if self.page_bytes is not None
+            else self.options.page_bytes,
+            "num_elements": num_elements,
+            "state_bytes_per_param": state_bytes / per_param,
+            "total_bytes_per_param": (param_bytes + grad_bytes + state_bytes) / per_param,
+        }
 
     def param_stream_bytes(self, p: torch.Tensor) -> int:
         """Payload bytes of p's streams in the pages (0 before its first step)."""
@@ -461,6 +497,12 @@ def replacing_state(optimizer: Any) -> Iterator[None]:
         optimizer.__dict__.update(before)
         raise
     optimizer.state.take_over(before["state"])
+
+
+def _counts_steps(value: Any) -> bool:
+    """Whether a state entry holds a param's step counter (in sight or hidden)."""
+    return isinstance(value, ParamState) and (value.hidden_step() is not None
+                                              or "step" in value.plain_items())
 
 
 def state_numel(p: torch.Tensor) -> int:

@@ -17,6 +17,20 @@ from pagedoptim._native import native
 from pagedoptim.state import sharding as sharded_params
 
 
+def refuse_cuda_graph_capture() -> None:
+    """A step cannot be captured in a CUDA graph: its work tables reach the GPU through
+    pinned host buffers that are reused once copied, paging moves pages between steps, and
+    CPU params' steps are not GPU work at all. A replay would read memory rewritten since,
+    or silently skip the step, so a capture is refused before anything changes. A process
+    that never initialized CUDA captures nothing, and asking would initialize it."""
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "pagedoptim's step cannot be captured in a CUDA graph (torch.cuda.graph, "
+            "CUDAGraph.capture_begin): a replay would reuse host buffers and pages that have "
+            "changed since the capture. Run optimizer.step() outside the captured region; "
+            "torch.compile(mode='reduce-overhead') already leaves it out")
+
+
 class StepBatch:
     """The native call's lists, one entry per param; `amp` holds GradScaler's tensors and
     `layouts` what the algorithm needs beside the slot (StateStore.batch_layout)."""

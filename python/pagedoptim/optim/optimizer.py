@@ -26,13 +26,13 @@ from pagedoptim.engine import compiled_step, interrupted_step, release_guard, re
 from pagedoptim.engine.lifecycle import ClosedState, open_only
 from pagedoptim.engine.state_store import (LOW_PRECISION_DTYPES, ONE_OPTIMIZER_PER_DEVICE,
                                            StateStore, replacing_state)
-from pagedoptim.engine.step_batch import StepBatch
+from pagedoptim.engine.step_batch import StepBatch, refuse_cuda_graph_capture
 from pagedoptim.optim import state_dict as state_dict_bodies
 from pagedoptim.optim import torch_flags, trainer_route_check
 from pagedoptim.paging.options import PagingOptions
 from pagedoptim.state import sharding as sharded_params
 from pagedoptim.state.format import Moment
-from pagedoptim.state.param_state import ParamState, StateMap
+from pagedoptim.state.param_state import StateMap
 
 __all__ = ["PagedOptimizer", "LOW_PRECISION_DTYPES"]
 
@@ -41,19 +41,6 @@ _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.complex
 
 _CPU = torch.device("cpu")
 
-
-def _refuse_cuda_graph_capture() -> None:
-    """A step cannot be captured in a CUDA graph: its work tables reach the GPU through
-    pinned host buffers that are reused once copied, paging moves pages between steps, and
-    CPU params' steps are not GPU work at all. A replay would read memory rewritten since,
-    or silently skip the step, so a capture is refused before anything changes. A process
-    that never initialized CUDA captures nothing, and asking would initialize it."""
-    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "pagedoptim's step cannot be captured in a CUDA graph (torch.cuda.graph, "
-            "CUDAGraph.capture_begin): a replay would reuse host buffers and pages that have "
-            "changed since the capture. Run optimizer.step() outside the captured region; "
-            "torch.compile(mode='reduce-overhead') already leaves it out")
 
 class PagedOptimizer(torch.optim.Optimizer):
     """Base class; subclasses set `_kind` and implement the hooks marked below.
@@ -273,7 +260,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                      amp: dict[str, torch.Tensor]) -> None:
         """Steps each (param, group index, grad, tensors) in one native call per round;
         `tensors` are _add_to_batch's target and step (given by a compiled step's op)."""
-        _refuse_cuda_graph_capture()
+        refuse_cuda_graph_capture()
         self.state.sync()
         store = self._store
         hyperparameters = [self._group_hyperparameters(group) for group in self.param_groups]
@@ -384,7 +371,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                 "raised midway (out of memory, say), call zero_grad() before retrying: the "
                 "params it had stepped already keep that update")
         if not self._released_this_round:  # a backward's first release: what holds for all
-            _refuse_cuda_graph_capture()
+            refuse_cuda_graph_capture()
             release_guard.check_backward_not_scaled()
             release_guard.check_not_data_parallel()
             release_guard.install()  # accelerate may have been imported after __init__
@@ -606,44 +593,10 @@ class PagedOptimizer(torch.optim.Optimizer):
         state holds: all of it, or the page cache when paged), 'pinned_host' (page-locked
         host memory under a GPU cache), 'host' (host memory: all of it, or the cache of a
         paged CPU state), 'host_tier' and 'nvme' (the tier below a CPU cache, the page
-        file).
+        file). SkewAdam adds 'factor_bytes', 'tiers' and 'params'
+        (pagedoptim/optim/skewadam_store.py).
         """
-        store = self._store
-        # A DTensor param counts its local shard: what this rank holds.
-        params = [sharded_params.local_tensor(p) for p in store.params()]
-        num_elements = sum(p.numel() for p in params)
-        param_bytes = sum(p.numel() * p.element_size() for p in params)
-        grads = [sharded_params.local_tensor(p.grad) for p in store.params()
-                 if p.grad is not None]
-        grad_bytes = sum(g.numel() * g.element_size() for g in grads)
-        page_bytes = num_pages = 0
-        placement: dict[str, int] = {}
-        if store.engine is not None:
-            usage = store.engine.memory_usage()
-            page_bytes, num_pages = usage["state_bytes"], usage["num_pages"]
-            placement = dict(usage["placement"])
-        moment_bytes, scale_bytes, residual_bytes = store.stream_bytes().values()
-        step_bytes = 4 * sum(1 for v in self.state.values() if isinstance(v, ParamState)
-                             and (v.hidden_step() is not None or "step" in v.plain_items()))
-        state_bytes = page_bytes + step_bytes
-        per_param = max(num_elements, 1)
-        return {
-            "param_bytes": param_bytes,
-            "grad_bytes": grad_bytes,
-            "state_bytes": state_bytes,
-            "moment_bytes": moment_bytes,
-            "scale_bytes": scale_bytes,
-            "residual_bytes": residual_bytes,
-            "step_bytes": step_bytes,
-            "page_slack_bytes": page_bytes - moment_bytes - scale_bytes - residual_bytes,
-            "num_pages": num_pages,
-            "state_placement": placement,
-            "page_bytes": (store.page_bytes if store.page_bytes is not None
-                           else self._options.page_bytes),
-            "num_elements": num_elements,
-            "state_bytes_per_param": state_bytes / per_param,
-            "total_bytes_per_param": (param_bytes + grad_bytes + state_bytes) / per_param,
-        }
+        return self._store.memory_report(self.state)
 
     @open_only
     def paging_stats(self) -> dict[str, Any]:

@@ -28,11 +28,10 @@ from pagedoptim.engine.step_batch import StepBatch
 from pagedoptim.optim import torch_flags
 from pagedoptim.optim.optimizer import PagedOptimizer
 from pagedoptim.optim.skewadam_store import SkewAdamStore
-from pagedoptim.optim.tiers import (BACKBONE, EXPERTS, TIERS, check_tier, compile_tier_patterns,
+from pagedoptim.optim.tiers import (BACKBONE, EXPERTS, check_tier, compile_tier_patterns,
                                     names_by_param, tier_of_name)
 from pagedoptim.paging.options import PagingOptions
 from pagedoptim.state import format as state_format
-from pagedoptim.state import sharding as sharded_params
 from pagedoptim.state.format import Moment
 
 
@@ -178,15 +177,7 @@ class SkewAdam(PagedOptimizer):
 
     def param_tiers(self) -> dict[str, str]:
         """Every parameter's tier, by name (or 'params[i]' for unnamed parameters)."""
-        return {name: self._store.layout(p).tier for name, p in self._named_params()}
-
-    def _named_params(self) -> list[tuple[str, torch.Tensor]]:
-        named = []
-        for group in self.param_groups:
-            names = group.get("param_names")
-            for q, p in enumerate(group["params"]):
-                named.append((names[q] if names else f"params[{len(named)}]", p))
-        return named
+        return {name: self._store.layout(p).tier for name, p in self._store.named_params()}
 
     # -- state layout ----------------------------------------------------------------------
 
@@ -232,37 +223,3 @@ class SkewAdam(PagedOptimizer):
         self._tier_patterns = state.pop("_tier_patterns")
         self._model_names = None
         super().__setstate__(state)
-
-    # -- reports ---------------------------------------------------------------------------
-
-    @open_only
-    def memory_report(self) -> dict[str, Any]:
-        """The base report plus 'factor_bytes' (the row and column means), 'tiers' (per
-        tier: params, elements, state bytes) and 'params' (per parameter name: tier, shape,
-        second-moment form, momentum, state bytes). Per-tier and per-parameter bytes are
-        the streams' payload and the step counter; page slack is only in the totals."""
-        report = super().memory_report()
-        tiers = {tier: {"num_params": 0, "num_elements": 0, "state_bytes": 0} for tier in TIERS}
-        params: dict[str, Any] = {}
-        factor_total = 0
-        store = self._store
-        for name, p in self._named_params():
-            layout = store.layout(p)
-            factor_bytes = store.factor_bytes(p)
-            factor_total += factor_bytes
-            state_bytes = store.param_stream_bytes(p) + factor_bytes
-            if "step" in self.state.get(p, {}):  # dict.get: no entry is made for p
-                state_bytes += 4
-            params[name] = {"tier": layout.tier,
-                            "shape": tuple(sharded_params.local_tensor(p).shape),
-                            "second_moment": "factored" if layout.factored else "exact",
-                            "momentum": layout.momentum, "state_bytes": state_bytes}
-            tiers[layout.tier]["num_params"] += 1
-            tiers[layout.tier]["num_elements"] += sharded_params.local_tensor(p).numel()
-            tiers[layout.tier]["state_bytes"] += state_bytes
-        report["factor_bytes"] = factor_total
-        report["page_slack_bytes"] -= factor_total
-        report["tiers"] = tiers
-        report["params"] = params
-        return report
-

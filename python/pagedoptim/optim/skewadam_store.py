@@ -15,7 +15,8 @@ from typing import Any, Optional
 import torch
 
 from pagedoptim.engine.state_store import LOW_PRECISION_DTYPES, StateStore
-from pagedoptim.optim.tiers import EXPERTS, ROUTER, check_tier
+from pagedoptim.optim.tiers import EXPERTS, ROUTER, TIERS, check_tier
+from pagedoptim.paging.state_plan import STEP_COUNTER_BYTES
 from pagedoptim.state import format as state_format
 from pagedoptim.state import sharding as sharded_params
 from pagedoptim.state.format import StreamSpec
@@ -258,6 +259,42 @@ class SkewAdamStore(StateStore):
 
     # -- reports ---------------------------------------------------------------------------
 
-    def factor_bytes(self, p: torch.Tensor) -> int:
-        slot = self.factor_slot_of(p)
-        return self.engine.stream_bytes(slot, FACTORS) if slot >= 0 else 0
+    def named_params(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, param) of every param: its name in its group's param_names, or
+        'params[i]' for unnamed params."""
+        named = []
+        for group in self.optimizer.param_groups:
+            names = group.get("param_names")
+            for q, p in enumerate(group["params"]):
+                named.append((names[q] if names else f"params[{len(named)}]", p))
+        return named
+
+    def memory_report(self, state_map: Any) -> dict[str, Any]:
+        """The base report plus 'factor_bytes' (the row and column means), 'tiers' (per
+        tier: params, elements, state bytes) and 'params' (per parameter name: tier, shape,
+        second-moment form, momentum, state bytes). Per-tier and per-parameter bytes are
+        the streams' payload and the step counter; page slack is only in the totals."""
+        report = super().memory_report(state_map)
+        tiers = {tier: {"num_params": 0, "num_elements": 0, "state_bytes": 0} for tier in TIERS}
+        params: dict[str, Any] = {}
+        factor_total = 0
+        for name, p in self.named_params():
+            layout = self.layout(p)
+            factor_slot = self.factor_slot_of(p)
+            factor_bytes = self.engine.stream_bytes(factor_slot, FACTORS) if factor_slot >= 0 else 0
+            factor_total += factor_bytes
+            state_bytes = self.param_stream_bytes(p) + factor_bytes
+            if "step" in state_map.get(p, {}):  # dict.get: no entry is made for p
+                state_bytes += STEP_COUNTER_BYTES
+            local = sharded_params.local_tensor(p)
+            params[name] = {"tier": layout.tier, "shape": tuple(local.shape),
+                            "second_moment": "factored" if layout.factored else "exact",
+                            "momentum": layout.momentum, "state_bytes": state_bytes}
+            tiers[layout.tier]["num_params"] += 1
+            tiers[layout.tier]["num_elements"] += local.numel()
+            tiers[layout.tier]["state_bytes"] += state_bytes
+        report["factor_bytes"] = factor_total
+        report["page_slack_bytes"] -= factor_total
+        report["tiers"] = tiers
+        report["params"] = params
+        return report
