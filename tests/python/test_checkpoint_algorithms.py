@@ -9,6 +9,8 @@ import pagedoptim as po
 from support import LionReference, make_params, set_grads
 from pagedoptim.checkpoint.algorithms import check_algorithm, identify_algorithm
 
+from optimizer_configs import ALGORITHM_OF
+
 SHAPES = [(5, 13), (33,)]
 
 # name -> (constructor, what identify_algorithm must say)
@@ -26,9 +28,9 @@ SAVERS = {
     "po.Lion": (lambda ps: po.Lion(ps), "lion"),
     "po.SkewAdam": (lambda ps: po.SkewAdam(ps), "skewadam"),
 }
-# One saver per kind pagedoptim has, for the load matrix.
-OURS_BY_KIND = {"adamw": po.AdamW, "sgd": po.SGD, "lion": po.Lion, "skewadam": po.SkewAdam}
-CLASS_NAME = {"adamw": "AdamW", "sgd": "SGD", "lion": "Lion", "skewadam": "SkewAdam"}
+# One saver per kind pagedoptim has, for the load matrix (the shared table's algorithms).
+OURS_BY_KIND = {algorithm: cls for cls, algorithm in ALGORITHM_OF.items()}
+CLASS_NAME = {algorithm: cls.__name__ for cls, algorithm in ALGORITHM_OF.items()}
 
 
 def saved_state_dict(saver, steps=1):

@@ -21,23 +21,17 @@ import pagedoptim as po
 from pagedoptim import reference
 from pagedoptim._native import native
 
+from optimizer_configs import configs, parametrize
+
 STEPS = 6
 PAGE_BYTES = 4096  # a 2100-element AdamW state spans two pages, 9000 elements five
 # A partial last group (33, 65, 279), a 0-dim tensor, a tensor that is exactly one group,
 # and tensors spanning 4 KiB pages, in one optimizer so that params share pages too.
 SHAPES = [(33,), (), (5, 13), (32,), (3, 31, 3), (2100,), (9000,)]
 
-OPTIMIZERS = {
-    "adamw": (po.AdamW, reference.adamw_step, dict(lr=1e-2, weight_decay=0.1)),
-    "adamw-amsgrad-maximize": (po.AdamW, reference.adamw_step,
-                               dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05,
-                                    amsgrad=True, maximize=True)),
-    "sgd-momentum-dampening": (po.SGD, reference.sgd_step,
-                               dict(lr=1e-2, momentum=0.9, dampening=0.3, weight_decay=1e-2)),
-    "sgd-nesterov-maximize": (po.SGD, reference.sgd_step,
-                              dict(lr=1e-2, momentum=0.8, nesterov=True, maximize=True)),
-    "lion": (po.Lion, reference.lion_step, dict(lr=1e-3, weight_decay=0.1)),
-}
+# The configurations that reach every branch of the AdamW, SGD and Lion kernels
+# (optimizer_configs.CORE); SkewAdam has its own oracle and tests (test_skewadam.py).
+CORE = configs(core=True, with_reference=True)
 
 # (param dtype, master_bits); master_bits is ignored for fp32 params.
 PARAM_FORMATS = [
@@ -45,14 +39,6 @@ PARAM_FORMATS = [
     (torch.bfloat16, 24), (torch.bfloat16, 32), (torch.bfloat16, None),
     (torch.float16, 24), (torch.float16, 32), (torch.float16, None),
 ]
-
-
-def moments_of(case, hyper):
-    if case.startswith("adamw"):
-        return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if hyper.get("amsgrad") else [])
-    if case.startswith("sgd"):
-        return ["momentum_buffer"] if hyper.get("momentum", 0.0) else []
-    return ["exp_avg"]
 
 
 def heavy_tailed(shape, generator, dtype):
@@ -79,16 +65,14 @@ def assert_bitwise_equal(ours, ref, where):
                     f"{ref.reshape(-1)[first].item()!r}")
 
 
-def run_against_reference(case, dtype, master_bits, state_bits=8, shapes=SHAPES, steps=STEPS,
-                          spec=None):
-    cls, ref_step, hyper = spec or OPTIMIZERS[case]
+def run_against_reference(config, dtype, master_bits, state_bits=8, shapes=SHAPES, steps=STEPS):
     gen = torch.Generator().manual_seed(7)
     initial = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
     params = [torch.nn.Parameter(t.clone()) for t in initial]
     ref_params = [t.clone() for t in initial]
-    opt = cls(params, **hyper, state_bits=state_bits, master_bits=master_bits,
-              page_bytes=PAGE_BYTES)
-    ref_states = [reference.init_state(p, moments_of(case, hyper), state_bits, master_bits)
+    opt = config.make(params, state_bits=state_bits, master_bits=master_bits,
+                      page_bytes=PAGE_BYTES)
+    ref_states = [reference.init_state(p, config.moments(), state_bits, master_bits)
                   for p in ref_params]
     for step in range(1, steps + 1):
         grads = [heavy_tailed(s, gen, dtype) for s in shapes]
@@ -96,8 +80,9 @@ def run_against_reference(case, dtype, master_bits, state_bits=8, shapes=SHAPES,
             p.grad = g.clone()
         opt.step()
         for p, g, state in zip(ref_params, grads, ref_states):
-            ref_step(p, g, state, **hyper)
-        where = f"{case} {dtype} master_bits={master_bits} state_bits={state_bits} step {step}"
+            config.reference_step(p, g, state, **config.hyper)
+        where = (f"{config.name} {dtype} master_bits={master_bits} state_bits={state_bits} "
+                 f"step {step}")
         ours_state = opt.state_dict()["state"]
         for i, (p, q, state) in enumerate(zip(params, ref_params, ref_states)):
             assert_bitwise_equal(p.detach(), q, f"{where}, param {i} {tuple(q.shape)}")
@@ -110,33 +95,32 @@ def run_against_reference(case, dtype, master_bits, state_bits=8, shapes=SHAPES,
 
 @pytest.mark.parametrize("dtype,master_bits", PARAM_FORMATS,
                          ids=[f"{str(d)[6:]}-master{m}" for d, m in PARAM_FORMATS])
-@pytest.mark.parametrize("case", list(OPTIMIZERS))
-def test_fused_8bit_step_matches_reference_bit_for_bit(case, dtype, master_bits):
-    run_against_reference(case, dtype, master_bits)
+@parametrize("config", CORE)
+def test_fused_8bit_step_matches_reference_bit_for_bit(config, dtype, master_bits):
+    run_against_reference(config, dtype, master_bits)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
-@pytest.mark.parametrize("case", list(OPTIMIZERS))
-def test_exact_mode_on_16_bit_params_matches_reference_bit_for_bit(case, dtype):
+@parametrize("config", CORE)
+def test_exact_mode_on_16_bit_params_matches_reference_bit_for_bit(config, dtype):
     """Exact mode (state_bits=32, master_bits=None) on bf16/fp16 params: fp32 moments, the
     update computed in fp32 from the 16-bit param and rounded back to it. The comparison with
     torch's 16-bit runs (test_exactness.py) can only bound an error; this one pins every bit,
     so a learning rate off by 2x or a skipped rounding fails here."""
-    run_against_reference(case, dtype, None, state_bits=32)
+    run_against_reference(config, dtype, None, state_bits=32)
 
 
 @pytest.mark.parametrize("dtype,master_bits", [(torch.bfloat16, 24), (torch.float16, 32)])
-@pytest.mark.parametrize("case", ["adamw-amsgrad-maximize", "sgd-momentum-dampening", "lion"])
-def test_fp32_state_with_master_split_matches_reference(case, dtype, master_bits):
+@parametrize("config", configs("AdamW-amsgrad_maximize_wd", "SGD-dampening", "Lion-weight_decay"))
+def test_fp32_state_with_master_split_matches_reference(config, dtype, master_bits):
     """state_bits=32 goes through the same master join/split and update rules."""
-    run_against_reference(case, dtype, master_bits, state_bits=32, shapes=[(33,), (2100,)])
+    run_against_reference(config, dtype, master_bits, state_bits=32, shapes=[(33,), (2100,)])
 
 
 @pytest.mark.parametrize("dtype,master_bits", [(torch.bfloat16, 24), (torch.float16, None)])
 def test_sgd_without_momentum_matches_reference(dtype, master_bits):
     """Plain SGD keeps no moment; bf16/fp16 params keep only the master residual."""
-    run_against_reference("sgd-plain", dtype, master_bits,
-                          spec=(po.SGD, reference.sgd_step, dict(lr=1e-2, weight_decay=1e-2)))
+    run_against_reference(configs("SGD-weight_decay_no_momentum")[0], dtype, master_bits)
 
 
 def test_sgd_without_momentum_on_fp32_params_with_default_master_bits():
@@ -147,8 +131,7 @@ def test_sgd_without_momentum_on_fp32_params_with_default_master_bits():
     p.grad = torch.ones(10)
     opt.step()
     assert torch.equal(p.detach(), torch.full((10,), 0.9))
-    run_against_reference("sgd-plain-mixed", torch.float32, 24, shapes=[(33,), (7,)],
-                          spec=(po.SGD, reference.sgd_step, dict(lr=1e-2)))
+    run_against_reference(configs("SGD-plain")[0], torch.float32, 24, shapes=[(33,), (7,)])
     q = torch.nn.Parameter(torch.ones(40, dtype=torch.bfloat16))
     mixed = po.SGD([p, q], lr=1e-3)
     p.grad, q.grad = torch.ones(10), torch.ones(40, dtype=torch.bfloat16)

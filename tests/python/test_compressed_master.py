@@ -16,6 +16,8 @@ import torch
 import pagedoptim as po
 from pagedoptim import reference
 
+from optimizer_configs import configs, parametrize
+
 K = {24: 127.0, 32: 32767.0}
 LOW_PRECISION = [(torch.bfloat16, 24), (torch.bfloat16, 32), (torch.float16, 24),
                  (torch.float16, 32)]
@@ -162,10 +164,8 @@ def test_weight_decay_below_bf16_resolution_is_not_rounded_away(master_bits):
     assert not torch.equal(p.detach(), initial), "the 16-bit weight itself must decay"
 
 
-@pytest.mark.parametrize("cls,hyper", [(po.AdamW, dict(lr=1e-2)),
-                                       (po.SGD, dict(lr=1e-2, momentum=0.9)),
-                                       (po.Lion, dict(lr=1e-3))], ids=["AdamW", "SGD", "Lion"])
-def test_master_bits_is_ignored_for_fp32_params(cls, hyper):
+@parametrize("config", configs(core=True))
+def test_master_bits_is_ignored_for_fp32_params(config):
     """fp32 params keep no residual stream, and the result does not depend on master_bits."""
     gen = torch.Generator().manual_seed(2)
     initial = torch.randn(100, generator=gen)
@@ -173,7 +173,7 @@ def test_master_bits_is_ignored_for_fp32_params(cls, hyper):
     results = []
     for master_bits in (None, 24, 32):
         p = torch.nn.Parameter(initial.clone())
-        opt = cls([p], **hyper, master_bits=master_bits)
+        opt = config.make([p], master_bits=master_bits)
         for g in grads:
             p.grad = g.clone()
             opt.step()

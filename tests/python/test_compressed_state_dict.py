@@ -11,14 +11,12 @@ import pagedoptim as po
 from pagedoptim import reference
 from pagedoptim._native import native
 
+from optimizer_configs import configs, parametrize
+
 K, N = 4, 10  # save after K steps, N steps in all
 
-CASES = {
-    "AdamW": (po.AdamW, dict(lr=1e-2, weight_decay=0.1)),
-    "AdamW-amsgrad": (po.AdamW, dict(lr=1e-2, amsgrad=True)),
-    "SGD": (po.SGD, dict(lr=1e-2, momentum=0.9, weight_decay=1e-2)),
-    "Lion": (po.Lion, dict(lr=1e-3, weight_decay=0.1)),
-}
+# Every algorithm's branches (optimizer_configs.CORE), SkewAdam's tiers included.
+CORE = configs(core=True)
 # fp32 params beside bf16 and fp16 params (with residuals), partial groups, a 0-dim param.
 PARAMS = [((33,), torch.float32), ((5, 13), torch.bfloat16), ((), torch.float32),
           ((2100,), torch.float16), ((3, 31, 3), torch.bfloat16)]
@@ -56,14 +54,32 @@ def assert_bit_identical(params_a, params_b, state_a, state_b):
         assert torch.equal(state_a[key], state_b[key]), f"state {key} differs"
 
 
+def expected_stream_keys(config, p, master_bits):
+    """The 8-bit state_dict keys of param p under `config`: each moment's codes and scales;
+    SkewAdam's per tier (docs/skewadam.md): momentum but in the experts tier, the second
+    moment factored into row and column means for matrices outside the router tier, else
+    exact (fp32 in every format)."""
+    if config.algorithm == "skewadam":
+        tier = "experts" if p.dim() == 3 else "backbone"
+        keys = set() if tier == "experts" else {"exp_avg_codes", "exp_avg_scales"}
+        keys |= ({"exp_avg_sq_row", "exp_avg_sq_col"} if p.dim() >= 2 and p.numel()
+                 else {"exp_avg_sq"})
+    else:
+        keys = {f"{m}_{part}" for m in config.moments() for part in ("codes", "scales")}
+    if p.dtype != torch.float32 and master_bits is not None:
+        keys.add("master_residual")
+    if config.algorithm != "sgd":  # torch.optim.SGD keeps no 'step', and neither does ours
+        keys.add("step")
+    return keys
+
+
 @pytest.mark.parametrize("master_bits", [24, 32, None])
-@pytest.mark.parametrize("case", list(CASES))
-def test_save_load_continue_is_bit_identical(case, master_bits):
+@parametrize("config", CORE)
+def test_save_load_continue_is_bit_identical(config, master_bits):
     """Save after K steps (through torch.save / torch.load(weights_only=True)), load into a
     fresh optimizer over fresh params holding the saved values, continue to N: equal to the
     uninterrupted run in every param and every state tensor."""
-    cls, hyper = CASES[case]
-    make = lambda params: cls(params, **hyper, master_bits=master_bits, page_bytes=4096)
+    make = lambda params: config.make(params, master_bits=master_bits, page_bytes=4096)
     params = make_params()
     opt = make(params)
     run(opt, params, 0, N)
@@ -77,17 +93,9 @@ def test_save_load_continue_is_bit_identical(case, master_bits):
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
     saved_state = saved["optimizer"]["state"]
-    # torch.optim.SGD keeps no 'step', and neither does ours
-    expected_keys = {"step", "exp_avg_codes", "exp_avg_scales"} if case != "SGD" else {
-        "momentum_buffer_codes", "momentum_buffer_scales"}
-    if case.startswith("AdamW"):
-        expected_keys |= {"exp_avg_sq_codes", "exp_avg_sq_scales"}
-    if case == "AdamW-amsgrad":
-        expected_keys |= {"max_exp_avg_sq_codes", "max_exp_avg_sq_scales"}
-    for i, (shape, dtype) in enumerate(PARAMS):
-        keys = expected_keys | ({"master_residual"} if dtype != torch.float32
-                                and master_bits is not None else set())
-        assert set(saved_state[i]) == keys, (i, sorted(saved_state[i]))
+    for i, p in enumerate(first):
+        assert set(saved_state[i]) == expected_stream_keys(config, p, master_bits), (
+            i, sorted(saved_state[i]))
 
     second = [torch.nn.Parameter(t.clone()) for t in saved["params"]]
     opt_second = make(second)
@@ -194,26 +202,30 @@ def test_torch_adamw_state_dict_is_quantized_on_load():
     assert ours.state_dict()["state"][0]["step"].item() == 6.0
 
 
-@pytest.mark.parametrize("case", ["AdamW-amsgrad", "SGD", "Lion"])
-def test_conversion_between_32_and_8_bit_state(case):
+@parametrize("config", CORE)
+def test_conversion_between_32_and_8_bit_state(config):
     """state_bits=32 -> 8: codes = encode(fp32 moments); 8 -> 32: fp32 moments =
-    decode(codes, scales); and 8 -> 32 -> 8 gives back the same codes and scales."""
-    cls, hyper = CASES[case]
+    decode(codes, scales); and 8 -> 32 -> 8 gives back the same codes and scales. What the
+    8-bit format keeps in fp32 (SkewAdam's second moments) passes through unchanged."""
     params = make_params()
-    exact = cls(params, **hyper, state_bits=32)
+    exact = config.make(params, state_bits=32)
     run(exact, params, 0, 3)
     sd32 = exact.state_dict()
-    quantized = cls(params, **hyper, state_bits=8)
+    quantized = config.make(params, state_bits=8)
     quantized.load_state_dict(sd32)
     sd8 = quantized.state_dict()
-    back = cls(params, **hyper, state_bits=32)
+    back = config.make(params, state_bits=32)
     back.load_state_dict(sd8)
     sd32_back = back.state_dict()
-    again = cls(params, **hyper, state_bits=8)
+    again = config.make(params, state_bits=8)
     again.load_state_dict(sd32_back)
     for i in sd32["state"]:
         for name, value in sd32["state"][i].items():
             if name in ("step", "master_residual"):
+                continue
+            if f"{name}_codes" not in sd8["state"][i]:
+                assert torch.equal(sd8["state"][i][name], value), (i, name)
+                assert torch.equal(sd32_back["state"][i][name], value), (i, name)
                 continue
             second = name.endswith("_sq")
             encode = native.encode_second_moment if second else native.encode_moment

@@ -22,36 +22,31 @@ from pagedoptim._native import native
 from pagedoptim.checkpoint.conversion import (AlreadyInTargetFormat, to_pagedoptim_format,
                                               to_torch_format)
 
+from optimizer_configs import BY_NAME, configs, parametrize
+
 SHAPES = [(), (7,), (33,), (5, 13), (3, 31, 3)]
 STEPS = 4
 EXACT = dict(state_bits=32, master_bits=None)
 
-# name -> (pagedoptim constructor, algorithm, torch.optim class or None)
-CASES = {
-    "AdamW": (lambda ps, **kw: po.AdamW(ps, lr=1e-2, weight_decay=0.1, **kw), "adamw",
-              lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)),
-    "AdamW-amsgrad": (lambda ps, **kw: po.AdamW(ps, lr=1e-2, amsgrad=True, **kw), "adamw",
-                      lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True)),
-    "SGD": (lambda ps, **kw: po.SGD(ps, lr=1e-2, momentum=0.9, **kw), "sgd",
-            lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9)),
-    "Lion": (lambda ps, **kw: po.Lion(ps, lr=1e-3, **kw), "lion", None),
-    "SkewAdam": (lambda ps, **kw: po.SkewAdam(ps, lr=1e-3, **kw), "skewadam", None),
-}
-TORCH_CASES = [name for name, case in CASES.items() if case[2] is not None]
+# Every algorithm's branches (optimizer_configs.CORE); those torch.optim has are converted
+# to and from torch's own optimizers.
+CORE = configs(core=True)
+IN_TORCH = configs(core=True, in_torch_optim=True)
+ADAMW, SGD_MOMENTUM = BY_NAME["AdamW-default"], BY_NAME["SGD-momentum"]
 PACKAGE_PARENT = pathlib.Path(po.__file__).resolve().parents[1]
 
 
-def trained(case, dtype=torch.float32, **options):
-    """(params, optimizer) after STEPS steps of pagedoptim's `case` (8-bit by default)."""
-    params = make_params([s for s in SHAPES if case != "SkewAdam" or len(s) < 3], dtype=dtype)
-    opt = CASES[case][0](params, **options)
+def trained(config, dtype=torch.float32, **options):
+    """(params, optimizer) after STEPS steps of pagedoptim's `config` (8-bit by default)."""
+    params = make_params(SHAPES, dtype=dtype)
+    opt = config.make(params, **options)
     run_steps(opt, params, Grads([p.shape for p in params], STEPS), 0, STEPS)
     return params, opt
 
 
-def trained_torch(case):
+def trained_torch(config):
     params = make_params(SHAPES)
-    opt = CASES[case][2](params)
+    opt = config.make_torch(params)
     run_steps(opt, params, Grads(SHAPES, STEPS), 0, STEPS)
     return params, opt
 
@@ -65,28 +60,28 @@ def tensors_of(state_dict):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", list(CASES))
-def test_to_torch_is_torch_state_dict(case, dtype):
+@parametrize("config", CORE)
+def test_to_torch_is_torch_state_dict(config, dtype):
     """Converting a saved 8-bit state_dict gives what the live optimizer's torch_state_dict()
     gives, bit for bit (bf16 params: the master residual is dropped)."""
-    _, opt = trained(case, dtype)
-    converted = to_torch_format(opt.state_dict(), CASES[case][1])
-    assert_state_equal(tensors_of(converted), tensors_of(opt.torch_state_dict()), case)
+    _, opt = trained(config, dtype)
+    converted = to_torch_format(opt.state_dict(), config.algorithm)
+    assert_state_equal(tensors_of(converted), tensors_of(opt.torch_state_dict()), config.name)
     assert converted["param_groups"] == opt.state_dict()["param_groups"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", list(CASES))
-def test_8bit_to_torch_and_back_is_bit_identical(case, dtype):
+@parametrize("config", CORE)
+def test_8bit_to_torch_and_back_is_bit_identical(config, dtype):
     """Dequantized codes quantize back to themselves; the residual survives a round trip
     through pagedoptim's 32-bit format."""
-    _, opt = trained(case, dtype)
-    saved, algorithm = opt.state_dict(), CASES[case][1]
+    _, opt = trained(config, dtype)
+    saved, algorithm = opt.state_dict(), config.algorithm
     via_torch = to_pagedoptim_format(to_torch_format(saved, algorithm), algorithm, 8)
     via_fp32 = to_pagedoptim_format(to_pagedoptim_format(saved, algorithm, 32), algorithm, 8)
     without_residual = {k: v for k, v in tensors_of(saved).items() if k[1] != "master_residual"}
-    assert_state_equal(tensors_of(via_torch), without_residual, f"{case} via torch")
-    assert_state_equal(tensors_of(via_fp32), tensors_of(saved), f"{case} via 32-bit")
+    assert_state_equal(tensors_of(via_torch), without_residual, f"{config.name} via torch")
+    assert_state_equal(tensors_of(via_fp32), tensors_of(saved), f"{config.name} via 32-bit")
 
 
 @pytest.mark.parametrize("gradient", [1e-4, 1e-5])
@@ -122,41 +117,41 @@ def test_8bit_round_trip_is_exact_for_normal_scales_and_within_half_a_step_for_s
         assert bool((moved.abs() <= 0.5 * step).all()), name
 
 
-@pytest.mark.parametrize("case", TORCH_CASES)
-def test_8bit_checkpoint_steps_in_torch_as_ours_does_in_exact_mode(case):
+@parametrize("config", IN_TORCH)
+def test_8bit_checkpoint_steps_in_torch_as_ours_does_in_exact_mode(config):
     """The reason to convert: torch's optimizer, given the converted 8-bit checkpoint,
     continues exactly as pagedoptim's exact mode does from the same checkpoint."""
-    params, opt = trained(case)
-    converted = to_torch_format(opt.state_dict(), CASES[case][1])
+    params, opt = trained(config)
+    converted = to_torch_format(opt.state_dict(), config.algorithm)
     torch_params, exact_params = clone_params(params), clone_params(params)
     # One copy each: torch's load_state_dict keeps the given 'step' tensors, which both
     # optimizers would then increment.
-    theirs = CASES[case][2](torch_params)
+    theirs = config.make_torch(torch_params)
     theirs.load_state_dict(copy.deepcopy(converted))
-    exact = CASES[case][0](exact_params, **EXACT)
+    exact = config.make(exact_params, **EXACT)
     exact.load_state_dict(copy.deepcopy(converted))
     grads = Grads(SHAPES, STEPS, seed=7)
-    run_lockstep(exact, exact_params, theirs, torch_params, grads, label=case)
+    run_lockstep(exact, exact_params, theirs, torch_params, grads, label=config.name)
 
 
-@pytest.mark.parametrize("case", TORCH_CASES)
+@parametrize("config", IN_TORCH)
 @pytest.mark.parametrize("state", ["8-bit", "bf16 residuals"])
-def test_torch_optimizer_given_our_state_refuses_to_step_and_names_convert(case, state):
+def test_torch_optimizer_given_our_state_refuses_to_step_and_names_convert(config, state):
     """Without the guard torch's AdamW stops with KeyError: 'exp_avg', and torch's SGD
     trains on with a fresh momentum beside our codes. The step is refused before any param
     moves; the converted state steps."""
     dtype = torch.float32 if state == "8-bit" else torch.bfloat16
     kwargs = {} if state == "8-bit" else dict(state_bits=32, master_bits=24)
-    params, opt = trained(case, dtype=dtype, **kwargs)
+    params, opt = trained(config, dtype=dtype, **kwargs)
     torch_params = clone_params(params)
-    theirs = CASES[case][2](torch_params)
+    theirs = config.make_torch(torch_params)
     theirs.load_state_dict(copy.deepcopy(opt.state_dict()))
     set_grads(torch_params, Grads([p.shape for p in params], 1, seed=3)[0])
     before = [p.detach().clone() for p in torch_params]
     with pytest.raises(ValueError, match=r"PagedOptim's compressed state .*pagedoptim convert"):
         theirs.step()
     assert all(torch.equal(a, b) for a, b in zip(torch_params, before))
-    converted = CASES[case][2](torch_params)
+    converted = config.make_torch(torch_params)
     converted.load_state_dict(opt.torch_state_dict())
     converted.step()
     assert not all(torch.equal(a, b) for a, b in zip(torch_params, before))
@@ -166,7 +161,7 @@ def test_the_guard_covers_subclasses_of_torchs_algorithms_not_wrappers_of_ours()
     """A user's subclass of torch.optim.AdamW reads fp32 moments as AdamW does: refused. A
     wrapper that steps one of ours inside and shows its state (ZeroRedundancyOptimizer,
     accelerate's AcceleratedOptimizer) is left alone (test_distributed_zero.py runs ZeRO)."""
-    params, opt = trained("AdamW")
+    params, opt = trained(ADAMW)
 
     class MyAdamW(torch.optim.AdamW):
         pass
@@ -188,16 +183,16 @@ def test_the_guard_covers_subclasses_of_torchs_algorithms_not_wrappers_of_ours()
     Forwarding(opt).step()  # steps ours, whose state it shows: no refusal
 
 
-@pytest.mark.parametrize("case", TORCH_CASES)
-def test_torch_checkpoint_to_8bit_loads_into_ours_and_steps(case):
+@parametrize("config", IN_TORCH)
+def test_torch_checkpoint_to_8bit_loads_into_ours_and_steps(config):
     """A torch checkpoint converted to 8 bits is the state ours would make of it on load,
     and training goes on from it exactly as from the torch checkpoint itself."""
-    params, theirs = trained_torch(case)
-    converted = to_pagedoptim_format(theirs.state_dict(), CASES[case][1], 8)
+    params, theirs = trained_torch(config)
+    converted = to_pagedoptim_format(theirs.state_dict(), config.algorithm, 8)
     from_converted_params, from_torch_params = clone_params(params), clone_params(params)
-    from_converted = CASES[case][0](from_converted_params)
+    from_converted = config.make(from_converted_params)
     from_converted.load_state_dict(copy.deepcopy(converted))
-    from_torch = CASES[case][0](from_torch_params)
+    from_torch = config.make(from_torch_params)
     from_torch.load_state_dict(copy.deepcopy(theirs.state_dict()))
     grads = Grads(SHAPES, STEPS, seed=7)
     run_steps(from_converted, from_converted_params, grads, 0, STEPS)
@@ -205,14 +200,14 @@ def test_torch_checkpoint_to_8bit_loads_into_ours_and_steps(case):
     for a, b in zip(from_converted_params, from_torch_params):
         assert torch.equal(a, b)
     assert_state_equal(tensors_of(from_converted.state_dict()),
-                       tensors_of(from_torch.state_dict()), case)
+                       tensors_of(from_torch.state_dict()), config.name)
 
 
-@pytest.mark.parametrize("case", TORCH_CASES)
-def test_torch_checkpoint_is_already_torch_and_pagedoptim_32bit(case):
+@parametrize("config", IN_TORCH)
+def test_torch_checkpoint_is_already_torch_and_pagedoptim_32bit(config):
     """torch's fp32 format is pagedoptim's state_bits=32 format: nothing to convert."""
-    _, theirs = trained_torch(case)
-    algorithm = CASES[case][1]
+    _, theirs = trained_torch(config)
+    algorithm = config.algorithm
     with pytest.raises(AlreadyInTargetFormat, match="already in torch.optim's format"):
         to_torch_format(theirs.state_dict(), algorithm)
     with pytest.raises(AlreadyInTargetFormat, match="state_bits=32 format"):
@@ -220,7 +215,7 @@ def test_torch_checkpoint_is_already_torch_and_pagedoptim_32bit(case):
 
 
 def test_8bit_checkpoint_is_already_8bit_and_empty_state_is_in_every_format():
-    _, opt = trained("AdamW")
+    _, opt = trained(ADAMW)
     with pytest.raises(AlreadyInTargetFormat, match="state_bits=8 format"):
         to_pagedoptim_format(opt.state_dict(), "adamw", 8)
     unstepped = po.AdamW(make_params(SHAPES)).state_dict()
@@ -247,7 +242,7 @@ def test_adam_with_coupled_weight_decay_is_refused():
     (lambda s: s.update(exp_avg_codes=[1, 2]), "'exp_avg_codes' of param 0 must be a tensor"),
 ])
 def test_malformed_state_is_a_clear_error(edit, message):
-    _, opt = trained("AdamW")
+    _, opt = trained(ADAMW)
     state_dict = opt.state_dict()
     state_dict["state"] = {index: dict(state) for index, state in state_dict["state"].items()}
     first = next(i for i, s in state_dict["state"].items() if s["exp_avg_codes"].numel() == 65)
@@ -258,7 +253,7 @@ def test_malformed_state_is_a_clear_error(edit, message):
 
 
 def test_bad_arguments_are_named():
-    _, opt = trained("AdamW")
+    _, opt = trained(ADAMW)
     with pytest.raises(ValueError, match=r"algorithm must be one of .*got 'adafactor'"):
         to_torch_format(opt.state_dict(), "adafactor")
     with pytest.raises(ValueError, match=r"state_bits must be one of \[8, 32\], got 16"):
@@ -282,7 +277,7 @@ def test_cli_converts_a_training_checkpoint_to_torch_and_back(tmp_path):
     """A checkpoint holding model and optimizer: --to torch keeps everything but the
     optimizer state, which torch.optim.AdamW then loads and steps; --to pagedoptim brings
     back the 8-bit state bit for bit."""
-    params, opt = trained("AdamW")
+    params, opt = trained(ADAMW)
     checkpoint = {"model": {"w": params[3].detach()}, "optimizer": opt.state_dict(), "epoch": 3}
     ours_path, torch_path, back_path = (tmp_path / "ours.pt", tmp_path / "torch.pt",
                                         tmp_path / "back.pt")
@@ -312,12 +307,12 @@ def test_cli_converts_a_training_checkpoint_to_torch_and_back(tmp_path):
 def test_cli_converts_a_torch_sgd_state_dict_file_to_8bit(tmp_path):
     """The file is the state_dict itself (as HF Trainer's optimizer.pt); the algorithm is
     read from it; pagedoptim.SGD loads the result and steps."""
-    params, theirs = trained_torch("SGD")
+    params, theirs = trained_torch(SGD_MOMENTUM)
     torch.save(theirs.state_dict(), tmp_path / "optimizer.pt")
     result = run_cli(tmp_path / "optimizer.pt", tmp_path / "out.pt", "--to", "pagedoptim",
                      "--state-bits", "8")
     assert result.returncode == 0, result.stderr
-    ours = CASES["SGD"][0](params)
+    ours = SGD_MOMENTUM.make(params)
     ours.load_state_dict(torch.load(tmp_path / "out.pt", weights_only=True))
     set_grads(params, Grads(SHAPES, 1)[0])
     ours.step()
@@ -325,7 +320,7 @@ def test_cli_converts_a_torch_sgd_state_dict_file_to_8bit(tmp_path):
 
 
 def test_cli_already_in_target_format_writes_nothing_and_exits_3(tmp_path):
-    _, theirs = trained_torch("AdamW")
+    _, theirs = trained_torch(ADAMW)
     torch.save(theirs.state_dict(), tmp_path / "optimizer.pt")
     result = run_cli(tmp_path / "optimizer.pt", tmp_path / "out.pt", "--to", "torch")
     assert result.returncode == convert.EXIT_ALREADY_IN_TARGET_FORMAT == 3
@@ -346,7 +341,7 @@ def save(tmp_path, obj, name="in.pt"):
 
 def test_cli_bad_inputs_are_clear_errors(tmp_path, capsys):
     out = tmp_path / "out.pt"
-    _, opt = trained("AdamW")
+    _, opt = trained(ADAMW)
     ours = opt.state_dict()
     cases = [
         ((tmp_path / "missing.pt", out, "--to", "torch"), "INPUT .*missing.pt does not exist"),
@@ -385,7 +380,7 @@ def test_cli_refuses_a_file_that_would_run_code(tmp_path, capsys):
 
 def test_cli_failed_write_keeps_the_old_output_and_leaves_no_temporary_file(tmp_path, capsys,
                                                                              monkeypatch):
-    _, opt = trained("AdamW")
+    _, opt = trained(ADAMW)
     source = save(tmp_path, opt.state_dict())
     out = tmp_path / "out.pt"
     out.write_bytes(b"previous")
@@ -402,7 +397,7 @@ def test_cli_failed_write_keeps_the_old_output_and_leaves_no_temporary_file(tmp_
 
 
 def test_cli_output_gets_a_new_files_mode(tmp_path, capsys):
-    _, opt = trained("AdamW")
+    _, opt = trained(ADAMW)
     status, _ = cli_error(capsys, save(tmp_path, opt.state_dict()), tmp_path / "out.pt",
                           "--to", "torch")
     umask = os.umask(0)

@@ -8,6 +8,8 @@ import torch
 import pagedoptim as po
 from pagedoptim._native import native
 
+from optimizer_configs import configs, parametrize
+
 
 def test_cpu_params_keep_state_on_the_cpu():
     p = torch.nn.Parameter(torch.randn(40))
@@ -26,10 +28,10 @@ def test_cpu_state_does_not_claim_amp_support():
     assert po.AdamW([p], release_grads=True)._step_supports_amp_scaling
 
 
-@pytest.mark.parametrize("factory", [po.AdamW, po.SGD, po.Lion])
-def test_params_on_an_unsupported_device_name_the_param(factory):
+@parametrize("config", configs(core=True))
+def test_params_on_an_unsupported_device_name_the_param(config):
     params = [torch.nn.Parameter(torch.randn(3, device="meta")) for _ in range(2)]
-    opt = factory(params, lr=1e-2)
+    opt = config.make(params)
     params[1].grad = torch.randn(3, device="meta")
     with pytest.raises(NotImplementedError, match=r"param 1 \(shape \(3,\)"):
         opt.step()

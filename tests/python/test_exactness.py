@@ -21,60 +21,39 @@ that of torch's run.
 import pytest
 import torch
 
-from support import (FP32_TOL, LARGE_SHAPES, OURS, REFERENCE, SMALL_SHAPES, Grads,
+from support import (EXACT, FP32_TOL, LARGE_SHAPES, OURS, REFERENCE, SMALL_SHAPES, Grads,
                       TrajectoryScale, assert_params_close, clone_params, make_params,
                       run_lockstep, set_grads)
+from optimizer_configs import configs, parametrize
 
 STEPS = 100
 PAGE_SIZES = [2 << 20, 4096]
 
-CONFIGS = [
-    ("AdamW", "default", {}),
-    ("AdamW", "amsgrad", {"amsgrad": True}),
-    ("AdamW", "maximize", {"maximize": True}),
-    ("AdamW", "no_weight_decay", {"weight_decay": 0.0}),
-    ("AdamW", "amsgrad_maximize_wd", {"lr": 1e-2, "amsgrad": True, "maximize": True,
-                                      "weight_decay": 0.1}),
-    ("AdamW", "betas_eps", {"lr": 1e-2, "betas": (0.8, 0.95), "eps": 1e-6}),
-    ("SGD", "plain", {"lr": 1e-2}),
-    ("SGD", "momentum", {"lr": 1e-2, "momentum": 0.9}),
-    ("SGD", "dampening", {"lr": 1e-2, "momentum": 0.9, "dampening": 0.1}),
-    ("SGD", "nesterov", {"lr": 1e-2, "momentum": 0.9, "nesterov": True}),
-    ("SGD", "weight_decay", {"lr": 1e-2, "momentum": 0.9, "weight_decay": 1e-2}),
-    ("SGD", "weight_decay_no_momentum", {"lr": 1e-2, "weight_decay": 1e-2}),
-    ("SGD", "maximize", {"lr": 1e-2, "momentum": 0.9, "maximize": True}),
-    ("SGD", "nesterov_wd_maximize", {"lr": 1e-2, "momentum": 0.5, "nesterov": True,
-                                     "weight_decay": 0.1, "maximize": True}),
-    ("Lion", "default", {}),
-    ("Lion", "weight_decay", {"lr": 3e-4, "weight_decay": 0.1}),
-    ("Lion", "maximize", {"maximize": True}),
-    ("Lion", "betas", {"lr": 1e-3, "betas": (0.95, 0.98)}),
-]
+# Every shared configuration torch defines (optimizer_configs.py): each AdamW, SGD and Lion
+# branch, against torch.optim's own optimizer (or LionReference).
+TORCH_CONFIGS = configs(with_torch=True)
 
 
 @pytest.mark.parametrize("page_bytes", PAGE_SIZES)
-@pytest.mark.parametrize("name,label,hyper", CONFIGS, ids=[f"{n}-{l}" for n, l, _ in CONFIGS])
-def test_fp32_matches_reference(name, label, hyper, page_bytes):
+@parametrize("config", TORCH_CONFIGS)
+def test_fp32_matches_reference(config, page_bytes):
     params = make_params(SMALL_SHAPES, seed=0)
     ref_params = clone_params(params)
-    opt = OURS[name](params, page_bytes=page_bytes, **hyper)
-    ref = REFERENCE[name](ref_params, **hyper)
+    opt = config.make(params, page_bytes=page_bytes, **EXACT)
+    ref = config.make_torch(ref_params)
     run_lockstep(opt, params, ref, ref_params, Grads(SMALL_SHAPES, STEPS, seed=7),
-                 label=f"{name} {label} page_bytes={page_bytes}")
+                 label=f"{config.name} page_bytes={page_bytes}")
 
 
-SGD_CONFIGS = [(label, hyper) for name, label, hyper in CONFIGS if name == "SGD"]
-
-
-@pytest.mark.parametrize("label,hyper", SGD_CONFIGS, ids=[label for label, _ in SGD_CONFIGS])
-def test_fp32_sgd_is_torchs_bit_for_bit(label, hyper):
+@parametrize("config", configs(algorithms=["sgd"], with_torch=True))
+def test_fp32_sgd_is_torchs_bit_for_bit(config):
     """What the README's status table claims for SGD: on fp32 params every step equals
     torch.optim.SGD's in every bit (the same operations in the same order, each rounded once),
     not merely within FP32_TOL. On 16-bit params torch rounds each intermediate to the param
     dtype where we compute in fp32, so there only the error bound of the tests below holds."""
     params = make_params(SMALL_SHAPES, seed=0)
     ref_params = clone_params(params)
-    opt, ref = OURS["SGD"](params, **hyper), torch.optim.SGD(ref_params, **hyper)
+    opt, ref = config.make(params, **EXACT), config.make_torch(ref_params)
     grads = Grads(SMALL_SHAPES, STEPS, seed=7)
     for t in range(STEPS):
         set_grads(params, grads[t])
@@ -82,7 +61,7 @@ def test_fp32_sgd_is_torchs_bit_for_bit(label, hyper):
         opt.step()
         ref.step()
         for i, (p, q) in enumerate(zip(params, ref_params)):
-            assert torch.equal(p, q), f"SGD {label}: param {i} differs after step {t + 1}"
+            assert torch.equal(p, q), f"{config.name}: param {i} differs after step {t + 1}"
 
 
 LARGE_CONFIGS = [
