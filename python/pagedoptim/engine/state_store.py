@@ -91,10 +91,6 @@ class StateStore:
         self.interrupted = None
         self._slots.clear()
 
-    def groups_changed(self) -> None:
-        """A param group was added (a store that derives layouts from the groups drops
-        them)."""
-
     @property
     def optimizer(self) -> Any:
         optimizer = self._optimizer_ref()

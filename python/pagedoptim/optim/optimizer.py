@@ -24,8 +24,8 @@ from pagedoptim import paging
 from pagedoptim.checkpoint import stream as checkpoint_stream
 from pagedoptim.engine import compiled_step, interrupted_step, release_guard, release_hooks
 from pagedoptim.engine.lifecycle import ClosedState, open_only
-from pagedoptim.engine.state_store import (LOW_PRECISION_DTYPES, ONE_OPTIMIZER_PER_DEVICE,
-                                           StateStore, replacing_state)
+from pagedoptim.engine.state_store import (ONE_OPTIMIZER_PER_DEVICE, StateStore,
+                                           replacing_state)
 from pagedoptim.engine.step_batch import StepBatch, refuse_cuda_graph_capture
 from pagedoptim.optim import state_dict as state_dict_bodies
 from pagedoptim.optim import torch_flags, trainer_route_check
@@ -34,7 +34,7 @@ from pagedoptim.state import sharding as sharded_params
 from pagedoptim.state.format import Moment
 from pagedoptim.state.param_state import StateMap
 
-__all__ = ["PagedOptimizer", "LOW_PRECISION_DTYPES"]
+__all__ = ["PagedOptimizer"]
 
 # complex64 params are stepped as their float32 real view, as torch.optim does.
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.complex64)
@@ -184,7 +184,6 @@ class PagedOptimizer(torch.optim.Optimizer):
                                  f"{ONE_OPTIMIZER_PER_DEVICE}")
         # torch warns about a param given twice in one group (and steps it twice); so do we.
         super().add_param_group({**param_group, "params": params})
-        store.groups_changed()
         if self._options.release_grads:
             self._register_release_hooks(tensors)
 

@@ -68,7 +68,8 @@ class SkewAdamStore(StateStore):
         self._layouts: Optional[dict[torch.Tensor, ParamLayout]] = None
 
     def groups_changed(self) -> None:
-        """A group was added: the tiers are read again."""
+        """A group was added (SkewAdam.add_param_group, once its 'param_tiers' are set): the
+        tiers are read again."""
         self._layouts = None
 
     def layout(self, p: torch.Tensor) -> ParamLayout:
