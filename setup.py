@@ -183,7 +183,7 @@ class BuildWithStartupHook(build):
 
 setup(
     name="pagedoptim",
-    version="0.1.0",
+    version="0.2.0",
     description="Drop-in PyTorch optimizers with compressed, paged optimizer state",
     license="BSD-3-Clause",
     python_requires=">=3.10",

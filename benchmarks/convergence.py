@@ -142,15 +142,20 @@ class NaiveLinear8bitAdamW(torch.optim.Optimizer):
                 state["v"] = self._quantize(v, 255.0)
 
 
+# The tiny LM's matrices are all under the default min_8bit_size (4096 elements), which would
+# keep them in fp32: every matrix keeps 8-bit moments here (its 1-D params fp32, as always),
+# so the curves measure the 8-bit format.
+EIGHT_BIT = dict(min_8bit_size=0)
+
 CURVES = {
     "torch_fp32": (lambda ps: torch.optim.AdamW(ps, **HYPER), torch.float32),
-    "ours_8bit": (lambda ps: pagedoptim.AdamW(ps, **HYPER), torch.float32),
-    "ours_bf16_master24": (lambda ps: pagedoptim.AdamW(ps, **HYPER, master_bits=24),
-                           torch.bfloat16),
-    "reference_floor_on": (lambda ps: reference.ReferenceAdamW(ps, **HYPER, v_floor=True),
-                           torch.float32),
-    "reference_floor_off": (lambda ps: reference.ReferenceAdamW(ps, **HYPER, v_floor=False),
-                            torch.float32),
+    "ours_8bit": (lambda ps: pagedoptim.AdamW(ps, **HYPER, **EIGHT_BIT), torch.float32),
+    "ours_bf16_master24": (lambda ps: pagedoptim.AdamW(ps, **HYPER, master_bits=24,
+                                                       **EIGHT_BIT), torch.bfloat16),
+    "reference_floor_on": (lambda ps: reference.ReferenceAdamW(ps, **HYPER, v_floor=True,
+                                                               **EIGHT_BIT), torch.float32),
+    "reference_floor_off": (lambda ps: reference.ReferenceAdamW(ps, **HYPER, v_floor=False,
+                                                                **EIGHT_BIT), torch.float32),
     "naive_linear_8bit": (lambda ps: NaiveLinear8bitAdamW(ps, **HYPER), torch.float32),
 }
 

@@ -83,7 +83,8 @@ def step_params(total: int, device: torch.device) -> list[torch.nn.Parameter]:
     chunk = 64 << 20
     sizes = [chunk] * (total // chunk) + ([total % chunk] if total % chunk else [])
     gen = torch.Generator(device=device).manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(n, generator=gen, device=device,
+    # One row each: 2-D, as a model's weights (1-D params keep fp32 moments).
+    return [torch.nn.Parameter(torch.randn(1, n, generator=gen, device=device,
                                            dtype=torch.bfloat16) * 0.02) for n in sizes]
 
 

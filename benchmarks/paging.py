@@ -221,7 +221,8 @@ def large_run(args) -> None:
     """8-bit AdamW with the split master weight over --large-params bf16 params, 4 GiB cache;
     with --checkpoint, then a streaming checkpoint of its state."""
     numel = int(float(args.large_params))
-    params = [torch.zeros(n, dtype=torch.bfloat16).requires_grad_() for n in chunked(numel)]
+    # One row each: 2-D, as a model's weights (1-D params keep fp32 moments).
+    params = [torch.zeros(1, n, dtype=torch.bfloat16).requires_grad_() for n in chunked(numel)]
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
     opt = po.AdamW(params, lr=1e-4, offload="nvme", nvme_dir=args.dir,
@@ -251,8 +252,8 @@ def large_run(args) -> None:
 def overlap_params(args) -> list[torch.Tensor]:
     """--overlap-params bf16 params with bf16 grads, the same in every process (seeded)."""
     g = torch.Generator().manual_seed(0)
-    params = [(torch.randn(n, generator=g) * 0.02).to(torch.bfloat16).requires_grad_()
-              for n in chunked(int(float(args.overlap_params)))]
+    params = [(torch.randn(1, n, generator=g) * 0.02).to(torch.bfloat16).requires_grad_()
+              for n in chunked(int(float(args.overlap_params)))]  # 2-D: 8-bit moments
     for p in params:
         p.grad = (torch.randn(p.shape, generator=g) * 1e-3).to(torch.bfloat16)
     return params

@@ -66,7 +66,7 @@ std::vector<std::vector<paging::StreamSpec>> to_stream_specs(
 // the page table alone, so `python -m pagedoptim plan` can state a 70B model's state bytes
 // exactly. Empty kinds (plain SGD) have no pages, as in PagedState.
 int64_t count_pages(const std::vector<std::vector<StreamTuple>>& kinds, int64_t page_bytes,
-                    const std::vector<std::pair<int64_t, int64_t>>& params) {
+                    const std::vector<std::tuple<int64_t, int64_t, int64_t>>& params) {
   TORCH_CHECK_VALUE(page_bytes > 0 && page_bytes % 4096 == 0,
                     "page_bytes must be a positive multiple of 4096, got ", page_bytes);
   TORCH_CHECK_VALUE(!kinds.empty(), "kinds must name at least one page kind");
@@ -80,11 +80,14 @@ int64_t count_pages(const std::vector<std::vector<StreamTuple>>& kinds, int64_t 
   }
   paging::PageTable table(std::move(geometries));
   for (size_t i = 0; i < params.size(); ++i) {
-    const auto [numel, kind] = params[i];
+    const auto [numel, kind, row_length] = params[i];
     TORCH_CHECK_VALUE(kind >= 0 && kind < int64_t(kinds.size()), "params[", i, "] has kind ",
                       kind, ", expected 0..", kinds.size() - 1);
     TORCH_CHECK_VALUE(numel >= 0, "params[", i, "] has ", numel, " elements, expected >= 0");
-    if (!kinds[size_t(kind)].empty()) table.add_param(numel, int(kind));
+    TORCH_CHECK_VALUE(row_length >= 0 && (row_length == 0 || numel % row_length == 0),
+                      "params[", i, "] has rows of ", row_length, " elements, which must be "
+                      ">= 0 and divide its ", numel, " elements");
+    if (!kinds[size_t(kind)].empty()) table.add_param(numel, int(kind), row_length);
   }
   return table.num_pages();
 }
@@ -372,7 +375,8 @@ void bind_paged_state(pybind11::module_& m) {
                              })
       .def("paging_stats", [](PagedState& s) { return paging_stats(s.store()); },
            "Pager counters: hits, misses, bytes per tier, stall seconds, io backend.")
-      .def("register_param", &PagedState::register_param, py::arg("numel"), py::arg("kind") = 0)
+      .def("register_param", &PagedState::register_param, py::arg("numel"), py::arg("kind") = 0,
+           py::arg("row_length") = 0)
       .def_property_readonly(
           "interrupted_step",
           [](const PagedState& s) -> py::object {
@@ -523,8 +527,11 @@ void bind_paged_state(pybind11::module_& m) {
            "results are the same bits either way.");
   m.def("count_pages", &count_pages, py::arg("kinds"), py::arg("page_bytes"),
         py::arg("params"),
-        "Pages PagedState would lay out for params given as (numel, kind), each kind's streams "
-        "as (name, bytes per group of 32, per_group); nothing is allocated.");
+        "Pages PagedState would lay out for params given as (numel, kind, row_length), each "
+        "kind's streams as (name, bytes per group of 32, per_group); nothing is allocated.");
+  m.def("count_groups", &paging::PageTable::groups_of, py::arg("numel"), py::arg("row_length"),
+        "Groups of 32 a param of numel elements in rows of row_length (0: one row) has, every "
+        "row's last group possibly partial: what its per-group streams hold.");
 }
 
 }  // namespace pagedoptim::bindings

@@ -101,7 +101,7 @@ PagedState::PagedState(OptimizerKind kind, std::vector<std::vector<paging::Strea
   }
 }
 
-int32_t PagedState::register_param(int64_t numel, int kind) {
+int32_t PagedState::register_param(int64_t numel, int kind, int64_t row_length) {
   if (stateless_) {
     throw std::logic_error("this optimizer keeps no state; nothing to register");
   }
@@ -109,7 +109,7 @@ int32_t PagedState::register_param(int64_t numel, int kind) {
   // then forgets the parameter again, so a retry lays it out afresh instead of leaving
   // pages behind that no parameter uses.
   paging::PageTable before = table_;
-  const int32_t slot = table_.add_param(numel, kind);
+  const int32_t slot = table_.add_param(numel, kind, row_length);
   try {
     store_->grow(table_.num_pages());
   } catch (...) {

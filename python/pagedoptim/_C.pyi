@@ -6,7 +6,7 @@ import collections.abc
 import torch
 import typing
 import typing_extensions
-__all__: list[str] = ['PageCorruptionError', 'PageIOError', 'PagedState', 'count_pages', 'cpu_isa', 'cpu_runs_isa', 'crc32c', 'cuda_built', 'cuda_version', 'decode_moment', 'decode_second_moment', 'drain_paging', 'encode_moment', 'encode_second_moment', 'fault_counts', 'measure_disk_bandwidth', 'set_fault_rules', 'simulated_device_usage']
+__all__: list[str] = ['PageCorruptionError', 'PageIOError', 'PagedState', 'count_groups', 'count_pages', 'cpu_isa', 'cpu_runs_isa', 'crc32c', 'cuda_built', 'cuda_version', 'decode_moment', 'decode_second_moment', 'drain_paging', 'encode_moment', 'encode_second_moment', 'fault_counts', 'measure_disk_bandwidth', 'set_fault_rules', 'simulated_device_usage']
 class PagedState:
     """
     Paged optimizer state of one optimizer: page table, store, driver.
@@ -37,7 +37,7 @@ class PagedState:
         """
         Fills `out` with the stream's bytes from byte `offset` on; pins only the pages of that range, one at a time (checkpoints of state larger than memory).
         """
-    def register_param(self, numel: typing.SupportsInt | typing.SupportsIndex, kind: typing.SupportsInt | typing.SupportsIndex = 0) -> int:
+    def register_param(self, numel: typing.SupportsInt | typing.SupportsIndex, kind: typing.SupportsInt | typing.SupportsIndex = 0, row_length: typing.SupportsInt | typing.SupportsIndex = 0) -> int:
         ...
     def resume_next_step(self) -> None:
         """
@@ -100,9 +100,13 @@ class PageCorruptionError(RuntimeError):
     """
     A page read back from the page file failed its crc32c; its bytes were not used.
     """
-def count_pages(kinds: collections.abc.Sequence[collections.abc.Sequence[tuple[str, typing.SupportsInt | typing.SupportsIndex, bool]]], page_bytes: typing.SupportsInt | typing.SupportsIndex, params: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]]) -> int:
+def count_pages(kinds: collections.abc.Sequence[collections.abc.Sequence[tuple[str, typing.SupportsInt | typing.SupportsIndex, bool]]], page_bytes: typing.SupportsInt | typing.SupportsIndex, params: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]]) -> int:
     """
-    Pages PagedState would lay out for params given as (numel, kind), each kind's streams as (name, bytes per group of 32, per_group); nothing is allocated.
+    Pages PagedState would lay out for params given as (numel, kind, row_length), each kind's streams as (name, bytes per group of 32, per_group); nothing is allocated.
+    """
+def count_groups(numel: typing.SupportsInt | typing.SupportsIndex, row_length: typing.SupportsInt | typing.SupportsIndex) -> int:
+    """
+    Groups of 32 a param of numel elements in rows of row_length (0: one row) has, every row's last group possibly partial: what its per-group streams hold.
     """
 def cpu_isa() -> str:
     """
@@ -124,21 +128,21 @@ def cuda_version() -> int:
     """
     0: this build has no CUDA kernels.
     """
-def decode_moment(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def decode_moment(codes: torch.Tensor, scales: torch.Tensor, row_length: typing.SupportsInt | typing.SupportsIndex = 0) -> torch.Tensor:
     ...
-def decode_second_moment(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def decode_second_moment(codes: torch.Tensor, scales: torch.Tensor, row_length: typing.SupportsInt | typing.SupportsIndex = 0) -> torch.Tensor:
     ...
 def drain_paging(state: PagedState) -> None:
     """
     Waits until the pager has no I/O in flight.
     """
-def encode_moment(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_moment(values: torch.Tensor, row_length: typing.SupportsInt | typing.SupportsIndex = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """
-    Companded int8 codes and fp16 group scales of first-moment values.
+    Companded int8 codes and fp16 group scales of first-moment values; groups of 32 restart at every row of row_length values (0: one row).
     """
-def encode_second_moment(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_second_moment(values: torch.Tensor, row_length: typing.SupportsInt | typing.SupportsIndex = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """
-    uint8 codes of sqrt(v) and fp16 group scales of second-moment values.
+    uint8 codes of sqrt(v) and fp16 group scales of second-moment values, in rows as encode_moment.
     """
 def fault_counts(state: PagedState) -> list[int]:
     """

@@ -23,7 +23,7 @@ torch_optimizer_guard.install()
 
 __all__ = ["AdamW", "CheckpointError", "InterruptedStepError", "Lion", "PageCorruptionError",
            "PageIOError", "PagedOptimizer", "SGD", "SkewAdam", "patch", "unpatch", "wrap"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def __getattr__(name: str):

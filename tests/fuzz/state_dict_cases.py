@@ -19,8 +19,9 @@ _NVME_DIR = tempfile.gettempdir()
 
 def _params(dtype: torch.dtype, seed: int) -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(seed)
-    # 70 elements: two full groups of 32 and a partial one; [3, 64]: scales shaped per row.
-    return [torch.nn.Parameter(torch.randn(70, generator=gen).to(dtype)),
+    # [2, 35]: rows of a full group of 32 and a partial one; [3, 64]: two full groups a row.
+    # Both keep 8-bit moments in the 8-bit modes (min_8bit_size=0 below).
+    return [torch.nn.Parameter(torch.randn(2, 35, generator=gen).to(dtype)),
             torch.nn.Parameter(torch.randn(3, 64, generator=gen).to(dtype))]
 
 
@@ -30,24 +31,29 @@ def _groups(params: list[torch.nn.Parameter]) -> list[dict[str, Any]]:
 
 def _skewadam(params: list[torch.nn.Parameter], **kw: Any) -> po.SkewAdam:
     return po.SkewAdam([{"params": [("bias", params[0])]},
-                        {"params": [("weight", params[1])], "lr": 5e-3}], lr=1e-2, **kw)
+                        {"params": [("weight", params[1])], "lr": 5e-3}], lr=1e-2, **_SMALL,
+                       **kw)
 
+
+# These params are small: every one keeps 8-bit moments in the 8-bit modes.
+_SMALL = dict(min_8bit_size=0)
 
 # name -> (param dtype, optimizer factory)
 MODES: dict[str, tuple[torch.dtype, Callable[..., torch.optim.Optimizer]]] = {
     "adamw_exact": (torch.float32, lambda ps: po.AdamW(_groups(ps), lr=1e-2, state_bits=32,
                                                        master_bits=None)),
-    "adamw_8bit": (torch.float32, lambda ps: po.AdamW(_groups(ps), lr=1e-2)),
+    "adamw_8bit": (torch.float32, lambda ps: po.AdamW(_groups(ps), lr=1e-2, **_SMALL)),
     "adamw_bf16_residual": (torch.bfloat16, lambda ps: po.AdamW(_groups(ps), lr=1e-2,
-                                                                master_bits=24)),
+                                                                master_bits=24, **_SMALL)),
     "adamw_amsgrad_16bit_residual": (torch.bfloat16, lambda ps: po.AdamW(
-        _groups(ps), lr=1e-2, amsgrad=True, master_bits=32)),
-    "sgd_momentum": (torch.float32, lambda ps: po.SGD(_groups(ps), lr=1e-2, momentum=0.9)),
-    "lion_8bit": (torch.float32, lambda ps: po.Lion(_groups(ps), lr=1e-3)),
+        _groups(ps), lr=1e-2, amsgrad=True, master_bits=32, **_SMALL)),
+    "sgd_momentum": (torch.float32, lambda ps: po.SGD(_groups(ps), lr=1e-2, momentum=0.9,
+                                                      **_SMALL)),
+    "lion_8bit": (torch.float32, lambda ps: po.Lion(_groups(ps), lr=1e-3, **_SMALL)),
     "skewadam": (torch.float32, lambda ps: _skewadam(ps)),
     "adamw_nvme": (torch.float32, lambda ps: po.AdamW(
         _groups(ps), lr=1e-2, offload="nvme", nvme_dir=_NVME_DIR, page_bytes=4096,
-        cache_bytes=4096)),
+        cache_bytes=4096, **_SMALL)),
 }
 
 

@@ -20,10 +20,13 @@ import torch
 import pagedoptim as po
 from pagedoptim import _C
 
-# A matrix of 150 full groups (AVX2 steps 16 groups a batch, AVX-512 128) and a vector that
-# ends in a partial group; SkewAdam also gets its three tiers: a [E, rows, cols] expert
-# tensor, a router and a norm (exact second moments).
-SHAPES = {"layers.0.attn.q_proj.weight": (48, 100), "layers.0.attn.q_proj.bias": (1037,)}
+# A matrix of 150 full groups in rows of 3 (AVX2 steps 16 groups a batch, AVX-512 128), one
+# row that ends in a partial group, rows of 40 (a full and a partial group each: a page
+# segment per row) and a bias (1-D: fp32 moments); SkewAdam also gets its three tiers: a
+# [E, rows, cols] expert tensor, a router and a norm (exact second moments). min_8bit_size=0
+# gives every matrix 8-bit moments.
+SHAPES = {"layers.0.attn.q_proj.weight": (50, 96), "layers.0.attn.k_proj.weight": (1, 1037),
+          "layers.0.attn.v_proj.weight": (20, 40), "layers.0.attn.q_proj.bias": (1037,)}
 SKEWADAM_SHAPES = {**SHAPES, "layers.0.mlp.experts.gate_up_proj": (4, 16, 40),
                    "layers.0.mlp.gate.weight": (4, 100), "norm.weight": (100,)}
 FORMS = {
@@ -77,7 +80,8 @@ def run_case(family: str, form: dict) -> dict:
     named = [(name, tensor(rng, shape, form["dtype"]).requires_grad_())
              for name, shape in shapes.items()]
     params = named if family == "skewadam" else [p for _, p in named]
-    opt = FAMILIES[family](params, state_bits=form["state_bits"], master_bits=form["master_bits"])
+    opt = FAMILIES[family](params, state_bits=form["state_bits"], master_bits=form["master_bits"],
+                           min_8bit_size=0)
     for _ in range(2):
         for _, p in named:
             p.grad = tensor(rng, tuple(p.shape), form["dtype"])

@@ -25,6 +25,8 @@ from pagedoptim import reference
 from support import LionReference
 
 ALGORITHM_OF = {po.AdamW: "adamw", po.SGD: "sgd", po.Lion: "lion", po.SkewAdam: "skewadam"}
+# What `make` gives the optimizers (see there), and reference.init_state the oracle.
+MIN_8BIT_SIZE = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +64,11 @@ class OptimizerConfig:
 
     def make(self, params: Iterable[torch.Tensor], **settings: Any) -> po.PagedOptimizer:
         """Our optimizer over `params` (grouped as `groups` says), with these
-        hyperparameters and the given state and paging settings."""
+        hyperparameters and the given state and paging settings. The tests' params are
+        small: every param of two or more dimensions keeps 8-bit moments with state_bits=8
+        (min_8bit_size=0, unless a test says otherwise); 1-D ones keep fp32 moments, as they
+        do in any optimizer (state_format.keeps_8bit_state)."""
+        settings = {"min_8bit_size": MIN_8BIT_SIZE, **settings}
         return self.cls(self.groups(list(params)), **{**self.hyper, **settings})
 
     def make_torch(self, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:

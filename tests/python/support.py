@@ -170,6 +170,16 @@ def set_grads(params, grads):
         p.grad = g.to(p.dtype).clone()
 
 
+def assert_8bit_moment_bytes(report, moments=2):
+    """memory_report() of an optimizer with state_bits=8: 1 B a code for the params that keep
+    8-bit moments, 4 B an fp32 moment for the rest (1-D, fewer than min_8bit_size elements:
+    report['fp32_state_elements']), `moments` moments each; scales only where codes are."""
+    n, fp32 = report["num_elements"], report["fp32_state_elements"]
+    assert 0 <= fp32 <= n
+    assert report["moment_bytes"] == moments * ((n - fp32) + 4 * fp32), report
+    assert (report["scale_bytes"] > 0) == (fp32 < n), report
+
+
 def relative_error(ours, ref, scale):
     """max|ours - ref| / scale; 0 when both agree exactly, inf for a mismatch at scale 0."""
     diff = (ours.detach().double() - ref.detach().double()).abs().max().item()

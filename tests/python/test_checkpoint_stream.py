@@ -280,10 +280,10 @@ def bad_files(path):
         "payload flipped": flip(data, record_payload),
         "last payload flipped": flip(data, footer - 1),
         "footer flipped": flip(data, footer + 9),
-        "version 2": data[:8] + struct.pack("<I", 2) + data[12:],
+        "version 3": data[:8] + struct.pack("<I", 3) + data[12:],
         "records swapped": swap_first_records(data, header_end),
         "header says another version": rewrite_header(data, length,
-                                                      lambda h: h.update(version=2)),
+                                                      lambda h: h.update(version=3)),
         "header lies about a size": rewrite_header(
             data, length, lambda h: h["params"][0]["slots"][0].update(numel=10 ** 9)),
         "header is not JSON": data[:16] + b"{" * length + data[16 + length:],

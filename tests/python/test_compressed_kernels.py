@@ -25,9 +25,14 @@ from optimizer_configs import configs, parametrize
 
 STEPS = 6
 PAGE_BYTES = 4096  # a 2100-element AdamW state spans two pages, 9000 elements five
-# A partial last group (33, 65, 279), a 0-dim tensor, a tensor that is exactly one group,
-# and tensors spanning 4 KiB pages, in one optimizer so that params share pages too.
-SHAPES = [(33,), (), (5, 13), (32,), (3, 31, 3), (2100,), (9000,)]
+# Groups follow the rows of the last dimension: one row with a partial last group (1, 33),
+# rows that are one partial group each (5, 13), (3, 31, 3), rows of a full and a partial
+# group (3, 40), exactly one group (1, 32), one row spanning 4 KiB pages (1, 2100), rows
+# ending in partial groups across pages (9, 1000); in one optimizer, so that params share
+# pages too. With min_8bit_size=0 every param of two or more dimensions keeps 8-bit state;
+# the 0-dim and the 1-D ones keep fp32 moments beside them (state_format.keeps_8bit_state).
+SHAPES = [(1, 33), (), (5, 13), (1, 32), (3, 31, 3), (3, 40), (1, 2100), (9, 1000), (33,)]
+MIN_8BIT_SIZE = 0
 
 # The configurations that reach every branch of the AdamW, SGD and Lion kernels
 # (optimizer_configs.CORE); SkewAdam has its own oracle and tests (test_skewadam.py).
@@ -71,9 +76,9 @@ def run_against_reference(config, dtype, master_bits, state_bits=8, shapes=SHAPE
     params = [torch.nn.Parameter(t.clone()) for t in initial]
     ref_params = [t.clone() for t in initial]
     opt = config.make(params, state_bits=state_bits, master_bits=master_bits,
-                      page_bytes=PAGE_BYTES)
-    ref_states = [reference.init_state(p, config.moments(), state_bits, master_bits)
-                  for p in ref_params]
+                      page_bytes=PAGE_BYTES, min_8bit_size=MIN_8BIT_SIZE)
+    ref_states = [reference.init_state(p, config.moments(), state_bits, master_bits,
+                                       MIN_8BIT_SIZE) for p in ref_params]
     for step in range(1, steps + 1):
         grads = [heavy_tailed(s, gen, dtype) for s in shapes]
         for p, g in zip(params, grads):
@@ -182,11 +187,12 @@ def test_native_codec_is_bit_identical_to_reference(name, second):
     encode_ref = reference.encode_second_moment if second else reference.encode_moment
     decode_native = native.decode_second_moment if second else native.decode_moment
     decode_ref = reference.decode_second_moment if second else reference.decode_moment
-    codes, scales = encode_native(values)
+    rows = values.shape[-1] if values.dim() >= 2 else 0  # groups follow the last dim's rows
+    codes, scales = encode_native(values, rows)
     ref_codes, ref_scales = encode_ref(values)
     assert_bitwise_equal(codes, ref_codes, f"{name} codes")
-    assert_bitwise_equal(scales, ref_scales, f"{name} scales")
-    assert_bitwise_equal(decode_native(codes, scales), decode_ref(codes, scales),
+    assert_bitwise_equal(scales.view(ref_scales.shape), ref_scales, f"{name} scales")
+    assert_bitwise_equal(decode_native(codes, scales, rows), decode_ref(codes, ref_scales),
                          f"{name} decode")
 
 
@@ -255,15 +261,15 @@ def test_denominator_floor_bounds_the_update_where_plain_decode_explodes():
     betas (0.9, 0.999) (docs/compression.md)."""
     lr = 1e-3
     grads = []
-    for step in range(60):
-        g = torch.full((32,), 1e-3 if step < 40 else 0.0)
-        g[0] = 1.0 if step % 2 == 0 else -1.0
+    for step in range(60):  # one group: a row of 32 (2-D, so its moments are 8-bit)
+        g = torch.full((1, 32), 1e-3 if step < 40 else 0.0)
+        g[0, 0] = 1.0 if step % 2 == 0 else -1.0
         grads.append(g)
-    p = torch.nn.Parameter(torch.zeros(32))
-    opt = po.AdamW([p], lr=lr, weight_decay=0.0)
-    q_floor, q_plain = torch.zeros(32), torch.zeros(32)
-    s_floor = reference.init_state(q_floor, ["exp_avg", "exp_avg_sq"])
-    s_plain = reference.init_state(q_plain, ["exp_avg", "exp_avg_sq"])
+    p = torch.nn.Parameter(torch.zeros(1, 32))
+    opt = po.AdamW([p], lr=lr, weight_decay=0.0, min_8bit_size=0)
+    q_floor, q_plain = torch.zeros(1, 32), torch.zeros(1, 32)
+    s_floor = reference.init_state(q_floor, ["exp_avg", "exp_avg_sq"], min_8bit_size=0)
+    s_plain = reference.init_state(q_plain, ["exp_avg", "exp_avg_sq"], min_8bit_size=0)
     worst_native = worst_plain = 0.0
     for g in grads:
         before, before_plain = p.detach().clone(), q_plain.clone()
@@ -271,8 +277,8 @@ def test_denominator_floor_bounds_the_update_where_plain_decode_explodes():
         opt.step()
         reference.adamw_step(q_floor, g, s_floor, lr=lr, weight_decay=0.0)
         reference.adamw_step(q_plain, g, s_plain, lr=lr, weight_decay=0.0, v_floor=False)
-        worst_native = max(worst_native, (p.detach() - before)[1:].abs().max().item() / lr)
-        worst_plain = max(worst_plain, (q_plain - before_plain)[1:].abs().max().item() / lr)
+        worst_native = max(worst_native, (p.detach() - before)[0, 1:].abs().max().item() / lr)
+        worst_plain = max(worst_plain, (q_plain - before_plain)[0, 1:].abs().max().item() / lr)
         assert torch.equal(p.detach(), q_floor)
     assert worst_native <= 2 * math.sqrt((0.1**2) / (0.001 * (1 - 0.81 / 0.999)))
     assert worst_plain > 1e3, "the scenario no longer triggers the failure the floor fixes"

@@ -112,13 +112,13 @@ def test_master_tracks_an_fp32_master_over_many_steps(dtype, master_bits):
 
     def run(bits):
         p = torch.nn.Parameter(initial.clone())
-        opt = po.AdamW([p], lr=lr, weight_decay=wd, master_bits=bits)
+        opt = po.AdamW([p], lr=lr, weight_decay=wd, master_bits=bits, min_8bit_size=0)
         return p, opt
 
     p, opt = run(master_bits)
     p_plain, opt_plain = run(None)
     q = initial.float().clone()
-    state = reference.init_state(q, ["exp_avg", "exp_avg_sq"], 8, None)
+    state = reference.init_state(q, ["exp_avg", "exp_avg_sq"], 8, None, min_8bit_size=0)
     bound = torch.zeros(shape, dtype=torch.float64)
     for g in grads:
         for param, o in ((p, opt), (p_plain, opt_plain)):

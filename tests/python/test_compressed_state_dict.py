@@ -17,9 +17,15 @@ K, N = 4, 10  # save after K steps, N steps in all
 
 # Every algorithm's branches (optimizer_configs.CORE), SkewAdam's tiers included.
 CORE = configs(core=True)
-# fp32 params beside bf16 and fp16 params (with residuals), partial groups, a 0-dim param.
-PARAMS = [((33,), torch.float32), ((5, 13), torch.bfloat16), ((), torch.float32),
-          ((2100,), torch.float16), ((3, 31, 3), torch.bfloat16)]
+# fp32 params beside bf16 and fp16 params (with residuals), rows ending in partial groups, a
+# row spanning 4 KiB pages; a 0-dim and a 1-D param, which keep fp32 moments in any format.
+PARAMS = [((1, 33), torch.float32), ((5, 13), torch.bfloat16), ((), torch.float32),
+          ((1, 2100), torch.float16), ((3, 31, 3), torch.bfloat16), ((33,), torch.float32)]
+
+
+def row_length(t):
+    """The row length a tensor's 8-bit groups follow (state_format.row_length)."""
+    return t.shape[-1] if t.dim() >= 2 else 0
 
 
 def make_params(seed=0):
@@ -58,14 +64,18 @@ def expected_stream_keys(config, p, master_bits):
     """The 8-bit state_dict keys of param p under `config`: each moment's codes and scales;
     SkewAdam's per tier (docs/skewadam.md): momentum but in the experts tier, the second
     moment factored into row and column means for matrices outside the router tier, else
-    exact (fp32 in every format)."""
+    exact (fp32 in every format). Params of fewer than two dimensions keep fp32 moments."""
+    eight_bit = p.dim() >= 2
     if config.algorithm == "skewadam":
         tier = "experts" if p.dim() == 3 else "backbone"
-        keys = set() if tier == "experts" else {"exp_avg_codes", "exp_avg_scales"}
+        keys = (set() if tier == "experts" else
+                {"exp_avg_codes", "exp_avg_scales"} if eight_bit else {"exp_avg"})
         keys |= ({"exp_avg_sq_row", "exp_avg_sq_col"} if p.dim() >= 2 and p.numel()
                  else {"exp_avg_sq"})
-    else:
+    elif eight_bit:
         keys = {f"{m}_{part}" for m in config.moments() for part in ("codes", "scales")}
+    else:
+        keys = set(config.moments())
     if p.dtype != torch.float32 and master_bits is not None:
         keys.add("master_residual")
     if config.algorithm != "sgd":  # torch.optim.SGD keeps no 'step', and neither does ours
@@ -93,7 +103,8 @@ def test_save_load_continue_is_bit_identical(config, master_bits):
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
     saved_state = saved["optimizer"]["state"]
-    for i, p in enumerate(first):
+    # State indices follow the optimizer's groups (SkewAdam's experts come last).
+    for i, p in enumerate(q for group in opt_first.param_groups for q in group["params"]):
         assert set(saved_state[i]) == expected_stream_keys(config, p, master_bits), (
             i, sorted(saved_state[i]))
 
@@ -111,12 +122,13 @@ def tensor_bytes(state_dict):
 
 def test_8bit_state_dict_is_at_least_half_the_size_of_torch_adamw():
     """Same fp32 params, one step each: 8-bit AdamW keeps 2 x (1 B code + 2/32 B scale) per
-    element against torch's 2 x 4 B, so the checkpoint's tensors are about 73% smaller."""
-    shapes = [(1000,), (64, 33), (7,)]
+    element against torch's 2 x 4 B, so the checkpoint's tensors are about 73% smaller (the
+    1-D param keeps fp32 moments, as torch's)."""
+    shapes = [(10, 1000), (64, 33), (7,)]
     gen = torch.Generator().manual_seed(0)
     ours_params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
     torch_params = [torch.nn.Parameter(p.detach().clone()) for p in ours_params]
-    ours, theirs = po.AdamW(ours_params), torch.optim.AdamW(torch_params)
+    ours, theirs = po.AdamW(ours_params, min_8bit_size=0), torch.optim.AdamW(torch_params)
     for p, q in zip(ours_params, torch_params):
         p.grad = torch.randn(p.shape, generator=gen)
         q.grad = p.grad.clone()
@@ -124,9 +136,10 @@ def test_8bit_state_dict_is_at_least_half_the_size_of_torch_adamw():
     theirs.step()
     ours_bytes, torch_bytes = tensor_bytes(ours.state_dict()), tensor_bytes(theirs.state_dict())
     assert ours_bytes <= 0.5 * torch_bytes, (ours_bytes, torch_bytes)
-    numel = sum(p.numel() for p in ours_params)
-    groups = sum((p.numel() + 31) // 32 for p in ours_params)
-    assert ours_bytes == 2 * numel + 2 * 2 * groups + 4 * len(shapes)  # codes, scales, steps
+    numel = sum(p.numel() for p in ours_params[:2])
+    groups = 10 * 32 + 64 * 2  # rows of 1000 and of 33: 32 and 2 groups each
+    # codes, scales, the 1-D param's fp32 moments, steps
+    assert ours_bytes == 2 * numel + 2 * 2 * groups + 2 * 4 * 7 + 4 * len(shapes)
 
 
 def adamw_pair(fp32_seed=3, shape=(40, 48)):
@@ -145,7 +158,7 @@ def test_torch_state_dict_loads_into_torch_adamw_and_continues_close():
     must stay below 10% of how far the params moved (the moments' codec error is below 1%
     of the group scale per step, docs/compression.md)."""
     p, grads = adamw_pair()
-    ours = po.AdamW([p], lr=1e-3, weight_decay=0.1)
+    ours = po.AdamW([p], lr=1e-3, weight_decay=0.1, min_8bit_size=0)
     for g in grads[:10]:
         p.grad = g.clone()
         ours.step()
@@ -155,7 +168,8 @@ def test_torch_state_dict_loads_into_torch_adamw_and_continues_close():
     assert state["exp_avg"].dtype == torch.float32 and state["exp_avg"].shape == p.shape
     codes = ours.state_dict()["state"][0]
     assert torch.equal(state["exp_avg"],
-                       native.decode_moment(codes["exp_avg_codes"], codes["exp_avg_scales"]))
+                       native.decode_moment(codes["exp_avg_codes"], codes["exp_avg_scales"],
+                                            row_length(p)))
     code_zero = codes["exp_avg_sq_codes"] == 0
 
     q = torch.nn.Parameter(p.detach().clone())
@@ -184,14 +198,14 @@ def test_torch_adamw_state_dict_is_quantized_on_load():
         theirs.step()
     torch_sd = theirs.state_dict()
     moments = torch_sd["state"][0]
-    ours = po.AdamW([p], lr=1e-3)
+    ours = po.AdamW([p], lr=1e-3, min_8bit_size=0)
     ours.load_state_dict(torch_sd)
     state = ours.state_dict()["state"][0]
     for name, encode in (("exp_avg", native.encode_moment),
                          ("exp_avg_sq", native.encode_second_moment)):
-        codes, scales = encode(moments[name])
+        codes, scales = encode(moments[name], row_length(p))
         assert torch.equal(state[f"{name}_codes"], codes)
-        assert torch.equal(state[f"{name}_scales"], scales)
+        assert torch.equal(state[f"{name}_scales"].reshape(-1), scales)
         ref_encode = (reference.encode_second_moment if name == "exp_avg_sq"
                       else reference.encode_moment)
         ref_codes, _ = ref_encode(moments[name])
@@ -230,10 +244,11 @@ def test_conversion_between_32_and_8_bit_state(config):
             second = name.endswith("_sq")
             encode = native.encode_second_moment if second else native.encode_moment
             decode = native.decode_second_moment if second else native.decode_moment
-            codes, scales = encode(value)
+            codes, scales = encode(value, row_length(value))
             assert torch.equal(sd8["state"][i][f"{name}_codes"], codes), (i, name)
-            assert torch.equal(sd8["state"][i][f"{name}_scales"], scales), (i, name)
-            assert torch.equal(sd32_back["state"][i][name], decode(codes, scales).view(value.shape))
+            assert torch.equal(sd8["state"][i][f"{name}_scales"].reshape(-1), scales), (i, name)
+            assert torch.equal(sd32_back["state"][i][name],
+                               decode(codes, scales, row_length(value)).view(value.shape))
     for key, value in state_tensors(again).items():
         assert torch.equal(value, sd8["state"][key[0]][key[1]]), key
 
@@ -263,12 +278,12 @@ def test_first_moment_decode_encode_is_idempotent():
 def test_a_moment_given_in_both_formats_is_refused_not_guessed():
     """DCP's full_state_dict load can hand over this optimizer's own (stale) codes beside a
     checkpoint's fp32 moment: loading must say so instead of picking one."""
-    param = torch.nn.Parameter(torch.randn(64))
+    param = torch.nn.Parameter(torch.randn(64, 64))
     optimizer = po.AdamW([param], lr=1e-2)
-    param.grad = torch.randn(64)
+    param.grad = torch.randn(64, 64)
     optimizer.step()
     state = optimizer.state_dict()
-    state["state"][0]["exp_avg"] = torch.zeros(64)
+    state["state"][0]["exp_avg"] = torch.zeros(64, 64)
     before = optimizer.state_dict()
     with pytest.raises(ValueError, match="holds 'exp_avg' both as fp32 and as 8-bit codes"):
         optimizer.load_state_dict(state)

@@ -24,7 +24,9 @@ from pagedoptim.checkpoint.conversion import (AlreadyInTargetFormat, to_pagedopt
 
 from optimizer_configs import BY_NAME, configs, parametrize
 
-SHAPES = [(), (7,), (33,), (5, 13), (3, 31, 3)]
+# A 0-dim and a 1-D param (fp32 moments in every format) and params of rows that end in
+# partial groups (8-bit moments: optimizer_configs.MIN_8BIT_SIZE).
+SHAPES = [(), (7,), (1, 33), (5, 13), (3, 31, 3)]
 STEPS = 4
 EXACT = dict(state_bits=32, master_bits=None)
 
@@ -34,6 +36,12 @@ CORE = configs(core=True)
 IN_TORCH = configs(core=True, in_torch_optim=True)
 ADAMW, SGD_MOMENTUM = BY_NAME["AdamW-default"], BY_NAME["SGD-momentum"]
 PACKAGE_PARENT = pathlib.Path(po.__file__).resolve().parents[1]
+
+
+def to_8bit(state_dict, algorithm):
+    """to_pagedoptim_format(..., 8) for the optimizers of these tests, whose params of two or
+    more dimensions all keep 8-bit moments (optimizer_configs.MIN_8BIT_SIZE)."""
+    return to_pagedoptim_format(state_dict, algorithm, 8, min_8bit_size=0)
 
 
 def trained(config, dtype=torch.float32, **options):
@@ -77,8 +85,8 @@ def test_8bit_to_torch_and_back_is_bit_identical(config, dtype):
     through pagedoptim's 32-bit format."""
     _, opt = trained(config, dtype)
     saved, algorithm = opt.state_dict(), config.algorithm
-    via_torch = to_pagedoptim_format(to_torch_format(saved, algorithm), algorithm, 8)
-    via_fp32 = to_pagedoptim_format(to_pagedoptim_format(saved, algorithm, 32), algorithm, 8)
+    via_torch = to_8bit(to_torch_format(saved, algorithm), algorithm)
+    via_fp32 = to_8bit(to_pagedoptim_format(saved, algorithm, 32), algorithm)
     without_residual = {k: v for k, v in tensors_of(saved).items() if k[1] != "master_residual"}
     assert_state_equal(tensors_of(via_torch), without_residual, f"{config.name} via torch")
     assert_state_equal(tensors_of(via_fp32), tensors_of(saved), f"{config.name} via 32-bit")
@@ -91,14 +99,14 @@ def test_8bit_round_trip_is_exact_for_normal_scales_and_within_half_a_step_for_s
     (docs/checkpoints.md): codes may move there, each decoded value by less than half a
     code step of its old scale, and converting again changes nothing."""
     torch.manual_seed(0)
-    p = torch.nn.Parameter(torch.randn(32 * 3000 + 7))
+    p = torch.nn.Parameter(torch.randn(1, 32 * 3000 + 7))
     opt = po.AdamW([p], lr=1e-3)
     for _ in range(3):
         p.grad = torch.randn_like(p) * gradient * torch.rand_like(p)
         opt.step()
     saved = opt.state_dict()
-    once = to_pagedoptim_format(to_torch_format(saved, "adamw"), "adamw", 8)
-    twice = to_pagedoptim_format(to_torch_format(once, "adamw"), "adamw", 8)
+    once = to_8bit(to_torch_format(saved, "adamw"), "adamw")
+    twice = to_8bit(to_torch_format(once, "adamw"), "adamw")
     assert_state_equal(tensors_of(twice), tensors_of(once), "a second round trip")
     for name, second in (("exp_avg", False), ("exp_avg_sq", True)):
         decode = native.decode_second_moment if second else native.decode_moment
@@ -188,7 +196,7 @@ def test_torch_checkpoint_to_8bit_loads_into_ours_and_steps(config):
     """A torch checkpoint converted to 8 bits is the state ours would make of it on load,
     and training goes on from it exactly as from the torch checkpoint itself."""
     params, theirs = trained_torch(config)
-    converted = to_pagedoptim_format(theirs.state_dict(), config.algorithm, 8)
+    converted = to_8bit(theirs.state_dict(), config.algorithm)
     from_converted_params, from_torch_params = clone_params(params), clone_params(params)
     from_converted = config.make(from_converted_params)
     from_converted.load_state_dict(copy.deepcopy(converted))
@@ -217,7 +225,7 @@ def test_torch_checkpoint_is_already_torch_and_pagedoptim_32bit(config):
 def test_8bit_checkpoint_is_already_8bit_and_empty_state_is_in_every_format():
     _, opt = trained(ADAMW)
     with pytest.raises(AlreadyInTargetFormat, match="state_bits=8 format"):
-        to_pagedoptim_format(opt.state_dict(), "adamw", 8)
+        to_8bit(opt.state_dict(), "adamw")
     unstepped = po.AdamW(make_params(SHAPES)).state_dict()
     with pytest.raises(AlreadyInTargetFormat):
         to_torch_format(unstepped, "adamw")
@@ -229,23 +237,24 @@ def test_adam_with_coupled_weight_decay_is_refused():
         adam = torch.optim.Adam(params, lr=1e-3, weight_decay=weight_decay)
         run_steps(adam, params, Grads(SHAPES, 1), 0, 1)
         if weight_decay == 0.0:
-            to_pagedoptim_format(adam.state_dict(), "adam", 8)
+            to_8bit(adam.state_dict(), "adam")
             continue
         with pytest.raises(ValueError, match="torch.optim.Adam with weight_decay != 0"):
-            to_pagedoptim_format(adam.state_dict(), "adam", 8)
+            to_8bit(adam.state_dict(), "adam")
 
 
 @pytest.mark.parametrize("edit, message", [
     (lambda s: s.pop("exp_avg_scales"), "has only one of 'exp_avg_codes' and 'exp_avg_scales'"),
     (lambda s: s.update(exp_avg_scales=torch.zeros(1, dtype=torch.float16)),
-     r"'exp_avg_scales' of param 0 has 1 elements, expected 3"),
+     r"'exp_avg_scales' of param 0 has 1 elements, expected 5"),
     (lambda s: s.update(exp_avg_codes=[1, 2]), "'exp_avg_codes' of param 0 must be a tensor"),
 ])
 def test_malformed_state_is_a_clear_error(edit, message):
     _, opt = trained(ADAMW)
     state_dict = opt.state_dict()
     state_dict["state"] = {index: dict(state) for index, state in state_dict["state"].items()}
-    first = next(i for i, s in state_dict["state"].items() if s["exp_avg_codes"].numel() == 65)
+    first = next(i for i, s in state_dict["state"].items()
+                 if "exp_avg_codes" in s and s["exp_avg_codes"].numel() == 65)
     state_dict["state"] = {0: state_dict["state"][first]}
     edit(state_dict["state"][0])
     with pytest.raises(ValueError, match=message):
@@ -297,7 +306,8 @@ def test_cli_converts_a_training_checkpoint_to_torch_and_back(tmp_path):
     theirs.step()
     assert all(torch.isfinite(p).all() for p in theirs_params)
 
-    result = run_cli(torch_path, back_path, "--to", "pagedoptim", "--state-bits", "8")
+    result = run_cli(torch_path, back_path, "--to", "pagedoptim", "--state-bits", "8",
+                     "--min-8bit-size", "0")
     assert result.returncode == 0, result.stderr
     back = torch.load(back_path, weights_only=True)
     assert_state_equal(tensors_of(back["optimizer"]), tensors_of(checkpoint["optimizer"]),
@@ -310,13 +320,13 @@ def test_cli_converts_a_torch_sgd_state_dict_file_to_8bit(tmp_path):
     params, theirs = trained_torch(SGD_MOMENTUM)
     torch.save(theirs.state_dict(), tmp_path / "optimizer.pt")
     result = run_cli(tmp_path / "optimizer.pt", tmp_path / "out.pt", "--to", "pagedoptim",
-                     "--state-bits", "8")
+                     "--state-bits", "8", "--min-8bit-size", "0")
     assert result.returncode == 0, result.stderr
     ours = SGD_MOMENTUM.make(params)
     ours.load_state_dict(torch.load(tmp_path / "out.pt", weights_only=True))
     set_grads(params, Grads(SHAPES, 1)[0])
     ours.step()
-    assert "momentum_buffer_codes" in ours.state_dict()["state"][0]
+    assert "momentum_buffer_codes" in ours.state_dict()["state"][SHAPES.index((5, 13))]
 
 
 def test_cli_already_in_target_format_writes_nothing_and_exits_3(tmp_path):

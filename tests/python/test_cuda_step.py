@@ -36,6 +36,7 @@ import contextlib
 import copy
 import functools
 import gc
+import math
 import os
 import subprocess
 import sys
@@ -124,21 +125,39 @@ def _describe_element(t: torch.Tensor, index: int) -> str:
     return f"{value.item()!r} (0x{bits & ((1 << width) - 1):0{width // 4}x})"
 
 
-def groups_of(mask: torch.Tensor, numel: int) -> torch.Tensor:
-    """Per 32-element group: whether any element of `mask` (flat, numel long) is set."""
-    num_groups = (numel + GROUP - 1) // GROUP
-    padded = torch.zeros(num_groups * GROUP, dtype=torch.bool)
-    padded[:numel] = mask.reshape(-1)
-    return padded.view(num_groups, GROUP).any(dim=1)
+def element_groups(shape: torch.Size) -> torch.Tensor:
+    """The 8-bit group of each element of a param shaped `shape`, in flat order: groups of 32
+    along each row of the last dimension (a 1-D or 0-dim param is one row), numbered row by
+    row as the scales are (state_format.group_shape)."""
+    rows, length = _rows(shape)
+    per_row = (length + GROUP - 1) // GROUP
+    return (torch.arange(rows)[:, None] * per_row
+            + torch.arange(length)[None, :] // GROUP).reshape(-1)
 
 
-def nonfinite_groups(t: torch.Tensor, numel: int, per_group: bool) -> torch.Tensor:
+def _rows(shape: torch.Size) -> tuple[int, int]:
+    if len(shape) >= 2:
+        return math.prod(shape[:-1]), shape[-1]
+    return 1, math.prod(shape)
+
+
+def num_groups_of(shape: torch.Size) -> int:
+    rows, length = _rows(shape)
+    return rows * ((length + GROUP - 1) // GROUP)
+
+
+def groups_of(mask: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Per group of a param shaped `shape`: whether any element of `mask` in it is set."""
+    found = torch.zeros(num_groups_of(shape), dtype=torch.int32)
+    return found.scatter_reduce(0, element_groups(shape), mask.reshape(-1).int(), "amax").bool()
+
+
+def nonfinite_groups(t: torch.Tensor, shape: torch.Size, per_group: bool) -> torch.Tensor:
     flat = t.detach().cpu().reshape(-1)
-    num_groups = (numel + GROUP - 1) // GROUP
     if not flat.is_floating_point():
-        return torch.zeros(num_groups, dtype=torch.bool)
+        return torch.zeros(num_groups_of(shape), dtype=torch.bool)
     bad = ~torch.isfinite(flat.float())
-    return bad if per_group else groups_of(bad, numel)
+    return bad if per_group else groups_of(bad, shape)
 
 
 def assert_same(where: str, ref: torch.Tensor, got: torch.Tensor,
@@ -153,7 +172,7 @@ def assert_same(where: str, ref: torch.Tensor, got: torch.Tensor,
     r = ref.reshape(-1)
     g = got.reshape(-1)
     if poisoned is not None and bool(poisoned.any()):
-        inside = poisoned if per_group else poisoned.repeat_interleave(GROUP)[: r.numel()]
+        inside = poisoned if per_group else poisoned[element_groups(ref.shape)]
     else:
         inside = torch.zeros(r.numel(), dtype=torch.bool)
     differ = (_bits(r) != _bits(g)) & ~inside
@@ -163,7 +182,7 @@ def assert_same(where: str, ref: torch.Tensor, got: torch.Tensor,
         first = int(differ.nonzero()[0].item())
         raise AssertionError(
             f"{where}: {int(differ.sum())} of {r.numel()} elements differ between cpu and "
-            f"cuda; first at flat index {first} (group {first // GROUP}): cpu "
+            f"cuda; first at flat index {first}: cpu "
             f"{_describe_element(r, first)}, cuda {_describe_element(g, first)}")
 
 
@@ -181,13 +200,13 @@ def assert_optimizers_identical(where, ref_params, ref_opt, params, opt, bad_gra
     assert state.keys() == ref_state.keys(), (
         f"{where}: state for params {sorted(state)}, expected {sorted(ref_state)}")
     for index, (ref_p, p) in enumerate(zip(ref_params, params)):
-        numel = ref_p.numel()
-        poisoned = nonfinite_groups(ref_p, numel, per_group=False)
+        shape = ref_p.shape
+        poisoned = nonfinite_groups(ref_p, shape, per_group=False)
         if bad_grads is not None:
             poisoned |= bad_grads[index]
         for key, value in ref_state.get(index, {}).items():
             if torch.is_tensor(value) and key != "step":
-                poisoned |= nonfinite_groups(value, numel, per_group=key.endswith("_scales"))
+                poisoned |= nonfinite_groups(value, shape, per_group=key.endswith("_scales"))
         assert_same(f"{where}: param {index} {tuple(ref_p.shape)} {ref_p.dtype}", ref_p, p,
                     poisoned)
         for key, value in ref_state.get(index, {}).items():
@@ -214,7 +233,7 @@ class Lockstep:
         self.cpu_opt = factory(split_groups(self.cpu, split, dict(overrides)), **kwargs)
         self.cuda_opt = factory(split_groups(self.cuda, split, dict(overrides)), **kwargs,
                                 **ON_DEVICE)
-        self.bad_grads = [torch.zeros((p.numel() + GROUP - 1) // GROUP, dtype=torch.bool)
+        self.bad_grads = [torch.zeros(num_groups_of(p.shape), dtype=torch.bool)
                           for p in self.cpu]
 
     def set_grads(self, grads, without=()):
@@ -224,7 +243,7 @@ class Lockstep:
                 self.cuda[i].grad = None
                 continue
             cast = g.to(self.cpu[i].dtype)  # cast once, on the CPU, for both copies
-            self.bad_grads[i] |= groups_of(~torch.isfinite(cast.float()), cast.numel())
+            self.bad_grads[i] |= groups_of(~torch.isfinite(cast.float()), cast.shape)
             self.cpu[i].grad = cast.clone()
             self.cuda[i].grad = cast.to(self.cuda[i].device)
 
@@ -323,9 +342,12 @@ def _format_id(fmt) -> str:
     return f"{str(dtype)[6:]}-state{bits}-master{master}"
 
 
-# Sizes off and on the group size, a 0-dim param, multi-dimensional params, and one of many
-# groups (several pages at 16 KiB, one shared 2 MiB page otherwise).
-MATRIX_SHAPES = [(), (7,), (33,), (64, 48), (5, 13, 3), (4099,), ((1 << 17) + 13,)]
+# A 0-dim and a 1-D param (fp32 moments in every format), rows off and on the group size
+# (one row of 33; rows of 48, 3 and 100: rows that end in partial groups, each a page
+# segment of its own), and one row of many groups (several pages at 16 KiB, one shared 2 MiB
+# page otherwise). MIN_8BIT_SIZE: every param of two or more dimensions keeps 8-bit state.
+MATRIX_SHAPES = [(), (7,), (1, 33), (64, 48), (5, 13, 3), (41, 100), (1, (1 << 17) + 13)]
+MIN_8BIT_SIZE = 0
 MATRIX_SPLIT = 4  # params[:4] in the first group, params[4:] in the second
 
 
@@ -336,7 +358,7 @@ def test_cuda_step_is_bit_identical_to_the_cpu_step(name, fmt, page_bytes):
     factory, defaults, overrides = OPTIMIZERS[name]
     dtype, state_bits, master_bits = fmt
     kwargs = dict(defaults, state_bits=state_bits, master_bits=master_bits,
-                  page_bytes=page_bytes)
+                  page_bytes=page_bytes, min_8bit_size=MIN_8BIT_SIZE)
     run = Lockstep(factory, kwargs, initial_values(MATRIX_SHAPES, dtype), MATRIX_SPLIT,
                    overrides)
     grads = GradSource(MATRIX_SHAPES)
@@ -370,16 +392,16 @@ def test_nan_and_inf_gradients_poison_the_same_groups(name, fmt):
     factory, defaults, overrides = OPTIMIZERS[name]
     dtype, state_bits, master_bits = fmt
     run = Lockstep(factory, dict(defaults, state_bits=state_bits, master_bits=master_bits,
-                                 page_bytes=16 << 10),
+                                 page_bytes=16 << 10, min_8bit_size=MIN_8BIT_SIZE),
                    initial_values(MATRIX_SHAPES, dtype), MATRIX_SPLIT, overrides)
     grads = GradSource(MATRIX_SHAPES)
     run.step(grads(0))
     poisoned = grads(1)
-    poisoned[5][70] = float("nan")
+    poisoned[5].view(-1)[70] = float("nan")
     poisoned[3].view(-1)[1000] = float("inf")
     run.step(poisoned)
     poisoned = grads(2)
-    poisoned[6][40_000] = float("-inf")
+    poisoned[6].view(-1)[40_000] = float("-inf")
     run.step(poisoned)
     run.step(grads(3))
     assert bool(run.bad_grads[5][70 // GROUP]) and bool(run.bad_grads[6][40_000 // GROUP])
@@ -1173,28 +1195,29 @@ def test_tiny_llama_trains_in_less_memory_and_tracks_torch(record_property):
 
 
 def check_slices_after_one_step(numel: int, span: int, middle: int, device: torch.device):
-    """Steps one bf16 param of `numel` elements once on `device` (po.AdamW's default formats),
-    then checks its first `span` elements, the `span` around element `middle` and its last
-    ones (from a group boundary) against steps of those slices alone on the CPU."""
+    """Steps one bf16 param of one row of `numel` elements once on `device` (po.AdamW's
+    default formats: a 2-D param keeps 8-bit moments), then checks its first `span`
+    elements, the `span` around element `middle` and its last ones (from a group boundary)
+    against steps of those slices alone on the CPU."""
     slices = [(0, span), (middle - span // 2, middle + span // 2),
               ((numel - span) // GROUP * GROUP, numel)]
     assert all(a % GROUP == 0 for a, _ in slices)
     kwargs = dict(lr=1e-3, weight_decay=0.1)  # default formats: state_bits=8, master_bits=24
     gen = torch.Generator(device=device).manual_seed(80)
-    p = nn.Parameter(torch.empty(numel, dtype=torch.bfloat16, device=device))
+    p = nn.Parameter(torch.empty(1, numel, dtype=torch.bfloat16, device=device))
     opt = grad = None
     try:
         with torch.no_grad():
             p.normal_(generator=gen)
         grad = torch.empty_like(p).normal_(std=1e-2, generator=gen)
-        before = [p.detach()[a:b].cpu().clone() for a, b in slices]
-        grad_slices = [grad[a:b].cpu().clone() for a, b in slices]
+        before = [p.detach()[:, a:b].cpu().clone() for a, b in slices]
+        grad_slices = [grad[:, a:b].cpu().clone() for a, b in slices]
         opt = po.AdamW([p], **kwargs)
         p.grad = grad
         opt.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        after = [p.detach()[a:b].cpu().clone() for a, b in slices]
+        after = [p.detach()[:, a:b].cpu().clone() for a, b in slices]
         state = opt.state_dict()["state"][0]
     finally:
         opt = grad = None

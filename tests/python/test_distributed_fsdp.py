@@ -30,6 +30,8 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
 
 STEPS = 4
 EXACT = dict(state_bits=32, master_bits=None)
+# These params are small: every one of two or more dimensions keeps 8-bit moments.
+SMALL_8BIT = dict(min_8bit_size=0)
 
 # name: (our optimizer, its kwargs, torch's equivalent or None, the model's dtype)
 CASES = {
@@ -260,27 +262,27 @@ def _placements_worker(rank: int, world_size: int) -> dict:
     results = {}
     # Shard(1): 8-bit scale groups of [rows, cols / 32] split along their rows' columns.
     results["shard1-8bit"] = _bit_for_bit(
-        Net, lambda m: po.AdamW(m.parameters(), lr=1e-2),
+        Net, lambda m: po.AdamW(m.parameters(), lr=1e-2, **SMALL_8BIT),
         lambda m: _shard(m, shard_placement_fn=lambda p: Shard(p.dim() - 1)))
     # Uneven and empty shards: (3, 64) splits 2 + 1 rows, (1, 64) and (1,) leave rank 1
-    # nothing; (96,) splits into 48 + 48, each ending on a group of 32 or the end.
+    # nothing; (5, 96) 3 + 2 rows; (5, 40) rows ending in partial groups.
     results["uneven-8bit"] = _bit_for_bit(
-        lambda: Free({"a": (3, 64), "b": (1, 64), "c": (1,), "d": (5, 96)}),
-        lambda m: po.AdamW(m.parameters(), lr=1e-2), _shard)
-    # HSDP on a 2 x 1 mesh (replicated across the ranks, each shard whole): 1-D params of
-    # any length keep whole groups. And a 1 x 2 mesh, sharded across the ranks.
+        lambda: Free({"a": (3, 64), "b": (1, 64), "c": (1,), "d": (5, 96), "e": (5, 40)}),
+        lambda m: po.AdamW(m.parameters(), lr=1e-2, **SMALL_8BIT), _shard)
+    # HSDP on a 2 x 1 mesh (replicated across the ranks, each shard whole), and a 1 x 2
+    # mesh, sharded across the ranks (1-D params keep fp32 moments in either).
     from torch.distributed.device_mesh import init_device_mesh
     for shape in ((2, 1), (1, 2)):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
         results[f"hsdp-{shape[0]}x{shape[1]}-8bit"] = _bit_for_bit(
             lambda: Free({"w": (4, 64), "b": (64,)} if shape == (1, 2) else
                          {"w": (4, 64), "b": (48,), "one": (1,)}),
-            lambda m: po.AdamW(m.parameters(), lr=1e-2),
+            lambda m: po.AdamW(m.parameters(), lr=1e-2, **SMALL_8BIT),
             lambda m, mesh=mesh: _shard(m, mesh=mesh))
-    # Complex params: stepped as their real view, sharded like the param.
+    # Complex params: stepped as their real view (fp32 moments), sharded like the param.
     results["complex-8bit"] = _bit_for_bit(
         lambda: Free({"z": (4, 64), "y": (64,)}, {"z": torch.complex64, "y": torch.complex64}),
-        lambda m: po.AdamW(m.parameters(), lr=1e-2), _shard)
+        lambda m: po.AdamW(m.parameters(), lr=1e-2, **SMALL_8BIT), _shard)
     # SkewAdam: experts sharded along dim 0 keep whole matrices; the router and the norm
     # keep exact second moments, which shard like any element stream.
     results["skewadam-experts"] = _bit_for_bit(
@@ -304,10 +306,10 @@ def _placements_worker(rank: int, world_size: int) -> dict:
 
     def misaligned():
         torch.manual_seed(0)
-        model = nn.Linear(64, 48)  # the bias's shards hold 24 elements
-        _shard(model)
-        optimizer = po.AdamW(model.parameters())
-        model(torch.randn(2, 64)).sum().backward()
+        model = nn.Linear(48, 64)  # Shard(1) of the [64, 48] weight: rows of 24 columns
+        _shard(model, shard_placement_fn=lambda p: Shard(p.dim() - 1))
+        optimizer = po.AdamW(model.parameters(), **SMALL_8BIT)
+        model(torch.randn(2, 48)).sum().backward()
         optimizer.step()
     results["misaligned-8bit"] = _error(misaligned)
 
@@ -355,7 +357,7 @@ def test_other_placements_step_like_one_process(placements, name):
 
 
 @pytest.mark.parametrize("name,expected", [
-    ("misaligned-8bit", "ValueError: param 1 .* does not hold whole groups of 32 elements"),
+    ("misaligned-8bit", "ValueError: param 0 .* does not hold whole groups of 32 elements"),
     ("skewadam-backbone", "ValueError: param 0 .* matrices, whose second moment SkewAdam "
                           "factors into row and column means, are split across ranks"),
     ("release-grads", "ValueError: params\\[0\\] is a DTensor .* use release_grads=False"),

@@ -40,16 +40,18 @@ LR = 1e-2
 # The seconds a two-rank run may take (start-up dominates: each rank imports torch).
 TIMEOUT_S = 120.0
 
+# The tiny model's matrices keep 8-bit moments (below the default min_8bit_size).
+EIGHT_BIT = dict(min_8bit_size=0)
 # name -> (optimizer class, its kwargs, param dtype, ZeRO's kwargs). torch's is the oracle.
 ZERO_CASES = {
     "torch": (torch.optim.AdamW, {}, torch.float32, {}),
     "exact": (po.AdamW, EXACT, torch.float32, {}),
-    "8bit": (po.AdamW, {}, torch.float32, {}),
-    "8bit_bf16": (po.AdamW, {}, torch.bfloat16, {}),  # 8-bit moments, master residual
+    "8bit": (po.AdamW, EIGHT_BIT, torch.float32, {}),
+    "8bit_bf16": (po.AdamW, EIGHT_BIT, torch.bfloat16, {}),  # 8-bit moments, master residual
     # ZeRO's flat buckets make every param a view of one tensor.
     "exact_bucket_view": (po.AdamW, EXACT, torch.float32, dict(parameters_as_bucket_view=True)),
-    "lion": (po.Lion, {}, torch.float32, {}),
-    "sgd": (functools.partial(po.SGD, momentum=0.9), {}, torch.float32, {}),
+    "lion": (po.Lion, EIGHT_BIT, torch.float32, {}),
+    "sgd": (functools.partial(po.SGD, momentum=0.9), EIGHT_BIT, torch.float32, {}),
 }
 # Paged state, a cache of one page (4 KiB) on each rank, so pages are evicted and read back;
 # both ranks' page files go to one directory.
@@ -286,14 +288,15 @@ def test_zero_reload_converts_a_checkpoint_of_the_other_state_format(zero_runs, 
     if case == "exact":
         expected = checkpoint_conversion.to_torch_format(saved, ADAMW)
     else:
-        expected = checkpoint_conversion.to_pagedoptim_format(saved, ADAMW, state_bits=8)
+        expected = checkpoint_conversion.to_pagedoptim_format(saved, ADAMW, state_bits=8,
+                                                              **EIGHT_BIT)
     assert_bitwise_equal(_run_of(zero_runs, name)["after_load"]["state"], expected["state"])
 
 
 def test_state_entry_assigned_whole_converts_as_load_state_dict():
     """What ZeRO's load relies on, in one process: `state[p] = entry` in another format
     gives the state load_state_dict gives, stream for stream."""
-    for saved_kwargs, kwargs in ((dict(), EXACT), (EXACT, dict())):
+    for saved_kwargs, kwargs in ((EIGHT_BIT, EXACT), (EXACT, EIGHT_BIT)):
         source = _tiny_model(torch.float32)
         saved = po.AdamW(source.parameters(), lr=LR, **saved_kwargs)
         _backward(source, 0)
@@ -323,7 +326,7 @@ def test_optimizer_in_backward_steps_as_one_optimizer_without_a_page_per_param(m
     its payload plus less than one 4 KiB page, not a 2 MiB page per param."""
     from torch.distributed.optim import (_apply_optimizer_in_backward,
                                          _get_in_backward_optimizers)
-    kwargs = EXACT if mode == "exact" else {}
+    kwargs = EXACT if mode == "exact" else EIGHT_BIT
     model = _tiny_model(dtype)
     _apply_optimizer_in_backward(po.AdamW, model.parameters(), {"lr": LR, **kwargs})
     reference = _tiny_model(dtype)
@@ -331,7 +334,7 @@ def test_optimizer_in_backward_steps_as_one_optimizer_without_a_page_per_param(m
         _apply_optimizer_in_backward(torch.optim.AdamW, reference.parameters(), {"lr": LR})
         one_optimizer = None
     else:
-        one_optimizer = po.AdamW(reference.parameters(), lr=LR)
+        one_optimizer = po.AdamW(reference.parameters(), lr=LR, **EIGHT_BIT)
     for step in range(STEPS):
         _backward(model, step)
         _backward(reference, step)
@@ -364,10 +367,11 @@ def test_optimizer_in_backward_steps_as_one_optimizer_without_a_page_per_param(m
 DDP_CASES = {
     "torch": (torch.optim.AdamW, {}),
     "exact": (po.AdamW, EXACT),
-    "8bit": (po.AdamW, {}),
-    "8bit_paged_shared_dir": (po.AdamW, dict(PAGED, nvme_dir="{directory}")),
-    "8bit_paged_dir_per_rank": (po.AdamW, dict(PAGED, nvme_dir="{directory}/rank{rank}")),
-    "lion": (po.Lion, {}),
+    "8bit": (po.AdamW, EIGHT_BIT),
+    "8bit_paged_shared_dir": (po.AdamW, dict(PAGED, nvme_dir="{directory}", **EIGHT_BIT)),
+    "8bit_paged_dir_per_rank": (po.AdamW, dict(PAGED, nvme_dir="{directory}/rank{rank}",
+                                               **EIGHT_BIT)),
+    "lion": (po.Lion, EIGHT_BIT),
 }
 
 

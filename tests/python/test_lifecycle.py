@@ -218,18 +218,19 @@ def test_device_cached_optimizers_give_back_every_device_resource(offload, tmp_p
     real GPU with torch.cuda.memory_allocated and the pinned bytes."""
     from pagedoptim._native import native
     usage = native.simulated_device_usage
-    p = torch.nn.Parameter(torch.randn(2048))  # 8-bit state: 2 pages, 1 in the cache
+    p = torch.nn.Parameter(torch.randn(1, 2048))  # 8-bit state: 2 pages, 1 in the cache
     p.grad = torch.randn_like(p)
     kw = dict(offload=offload, nvme_dir=tmp_path if offload == "nvme" else None,
               cache_bytes=PAGE)
 
     def cycle() -> dict:
-        with po.AdamW([p], lr=1e-2, page_bytes=PAGE, prefetch=2, **kw) as opt:
+        with po.AdamW([p], lr=1e-2, page_bytes=PAGE, prefetch=2, min_8bit_size=0,
+                      **kw) as opt:
             opt.step()
             held = usage()
             # One code short: found only while the new engine's pages are written.
             saved = opt.state_dict()
-            saved["state"][0]["exp_avg_codes"] = saved["state"][0]["exp_avg_codes"][:-1]
+            saved["state"][0]["exp_avg_codes"] = saved["state"][0]["exp_avg_codes"][:, :-1]
             with pytest.raises(ValueError, match="'exp_avg_codes' has 2047 elements"):
                 opt.load_state_dict(saved)
             opt.step()

@@ -40,18 +40,20 @@ def page_capacity_groups(bytes_per_group, page_bytes):
 
 
 def test_hand_computed_8bit_adamw_report():
-    """fp32 (1000,), (33,) and bf16 (4096,), (7,) params, AdamW 8-bit, master_bits=24,
-    page_bytes=4096, bf16/fp32 grads present.
+    """fp32 (1, 1000), (1, 33) and bf16 (1, 4096), (7,) params, AdamW 8-bit, master_bits=24,
+    min_8bit_size=0, page_bytes=4096, bf16/fp32 grads present.
 
     fp32 kind: streams m codes 32, m scales 2, v codes 32, v scales 2 B/group: 60 groups fit
       (1920 + 120 -> 2048 + 1920 + 120 = 4088 <= 4096); 32 + 2 groups: one page.
     bf16 kind: + residual 32 B/group: 40 groups fit (1280 + 80 -> 1408 + 1280 + 80 -> 2816
-      + 1280 = 4096); 4096 elements = 3 whole pages + 8 groups in a 4th, (7,) joins it.
+      + 1280 = 4096); 4096 elements = 3 whole pages + 8 groups in a 4th.
+    The 1-D (7,) keeps fp32 moments (4 B each) and its residual: a kind, and a page, of its
+    own.
     """
-    shapes = [((1000,), torch.float32), ((33,), torch.float32), ((4096,), torch.bfloat16),
-              ((7,), torch.bfloat16)]
+    shapes = [((1, 1000), torch.float32), ((1, 33), torch.float32),
+              ((1, 4096), torch.bfloat16), ((7,), torch.bfloat16)]
     params = [torch.nn.Parameter(torch.randn(s).to(d)) for s, d in shapes]
-    opt = po.AdamW(params, lr=1e-3, page_bytes=4096)
+    opt = po.AdamW(params, lr=1e-3, page_bytes=4096, min_8bit_size=0)
     for p in params:
         p.grad = torch.randn(p.shape).to(p.dtype)
     opt.step()
@@ -63,12 +65,13 @@ def test_hand_computed_8bit_adamw_report():
     expected = {
         "param_bytes": 4 * 1033 + 2 * 4103,
         "grad_bytes": 4 * 1033 + 2 * 4103,
-        "moment_bytes": 2 * numel,                          # m and v codes, 1 B each
-        "scale_bytes": 2 * 2 * (32 + 2 + 128 + 1),          # two moments, one fp16 per group
+        "moment_bytes": 2 * (numel - 7) + 2 * 4 * 7,       # codes, 1 B; the (7,)'s fp32
+        "scale_bytes": 2 * 2 * (32 + 2 + 128),              # two moments, one fp16 per group
         "residual_bytes": 4096 + 7,                         # int8 per bf16 element
         "step_bytes": 4 * 4,
-        "num_pages": 1 + 4,
+        "num_pages": 1 + 4 + 1,
         "num_elements": numel,
+        "fp32_state_elements": 7,
     }
     expected["state_bytes"] = expected["num_pages"] * 4096 + expected["step_bytes"]
     expected["page_slack_bytes"] = (expected["num_pages"] * 4096 - expected["moment_bytes"]
@@ -101,7 +104,7 @@ def test_bytes_per_param_of_a_large_param(name, cls, kwargs, dtype, streams):
     slack is what the pages hold beyond the payload."""
     numel = (1 << 20) + 64
     page_bytes = 2 << 20
-    p = torch.nn.Parameter(torch.zeros(numel, dtype=dtype))
+    p = torch.nn.Parameter(torch.zeros(1, numel, dtype=dtype))  # one row: 8-bit moments
     opt = cls([p], lr=1e-3, **kwargs)
     p.grad = torch.zeros_like(p)
     opt.step()
@@ -127,7 +130,7 @@ def test_bf16_adamw_with_master_and_released_grads_reaches_the_design_numbers():
     is each page's unusable tail after its last whole group (below 0.5%)."""
     numel = 2 * 32 * page_capacity_groups(Q + Q + [32], 2 << 20)
     for release, target in ((False, 7.125), (True, 5.125)):
-        p = torch.nn.Parameter(torch.zeros(numel, dtype=torch.bfloat16))
+        p = torch.nn.Parameter(torch.zeros(1, numel, dtype=torch.bfloat16))
         opt = po.AdamW([p], lr=1e-3, release_grads=release)
         (p.float().sum() * 0.0).backward()
         opt.step()

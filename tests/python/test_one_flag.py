@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import pagedoptim as po
-from support import (EXACT, FP32_TOL, SMALL_SHAPES, Grads, make_params, run_lockstep,
-                      run_steps)
+from support import (EXACT, FP32_TOL, SMALL_SHAPES, Grads, assert_8bit_moment_bytes,
+                      make_params, run_lockstep, run_steps)
 from pagedoptim.paging import env_settings
 from pagedoptim.integrations import stand_ins
 from pagedoptim.integrations.patch import torch_class
@@ -234,10 +234,12 @@ def test_patch_settings_overrides_beat_the_environment(monkeypatch):
     monkeypatch.setenv("PAGEDOPTIM_STATE_BITS", "32")
     monkeypatch.setenv("PAGEDOPTIM_MASTER_BITS", "none")
     po.patch(state_bits=8)
-    params = make_params(SMALL_SHAPES)
+    shapes = SMALL_SHAPES + [(64, 64)]  # 4096 elements: 8-bit moments by default
+    params = make_params(shapes)
     opt = torch.optim.AdamW(params)
-    run_steps(opt, params, Grads(SMALL_SHAPES, 1), 0, 1)
-    assert opt.memory_report()["moment_bytes"] == 2 * sum(p.numel() for p in params)
+    run_steps(opt, params, Grads(shapes, 1), 0, 1)
+    assert_8bit_moment_bytes(opt.memory_report())
+    assert opt.memory_report()["fp32_state_elements"] == sum(p.numel() for p in params[:-1])
     # Arguments the script gives win over both.
     explicit = torch.optim.AdamW(params, state_bits=32)
     run_steps(explicit, params, Grads(SMALL_SHAPES, 1), 0, 1)
@@ -334,7 +336,8 @@ def test_the_flag_says_once_on_stderr_what_it_did_and_the_optimizer_shows_its_se
     assert "torch.optim.SGD -> pagedoptim SGD" in said[0]
     assert "state_bits=32, master_bits=None" in said[0]
     shown, settings = result.stdout.splitlines()
-    assert shown.startswith("AdamW (pagedoptim: state_bits=32, master_bits=None, offload=None")
+    assert shown.startswith("AdamW (pagedoptim: state_bits=32, master_bits=None, "
+                            "min_8bit_size=4096, offload=None")
     assert "'state_bits': 32" in settings and "'release_grads': False" in settings
 
 

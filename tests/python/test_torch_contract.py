@@ -159,7 +159,7 @@ def test_state_of_a_param_holds_the_moments_torch_holds():
 
 
 def test_8bit_state_lists_stored_streams_and_reads_fp32_moments():
-    p, q = make_pair(shape=(64,))
+    p, q = make_pair(shape=(64, 64))  # 4096 elements: 8-bit moments by default
     ours, theirs = po.AdamW([p]), torch.optim.AdamW([q])
     run_both(ours, theirs, [p], [q], 3)
     state = ours.state[p]
@@ -190,11 +190,11 @@ def test_writes_to_state_take_effect_as_in_torch(how):
 
 
 def test_8bit_fp32_name_writes_are_encoded():
-    p, _ = make_pair(shape=(64,))
+    p, _ = make_pair(shape=(64, 64))
     ours = po.AdamW([p])
     set_grads([p], 0)
     ours.step()
-    ours.state[p]["exp_avg"] = torch.zeros(64)
+    ours.state[p]["exp_avg"] = torch.zeros(64, 64)
     assert ours.state[p]["exp_avg"].eq(0).all()
     assert ours.state_dict()["state"][0]["exp_avg_scales"].eq(0).all()
 
@@ -464,10 +464,12 @@ def payload_bytes(opt):
 
 
 def test_lora_sized_state_costs_its_payload_plus_at_most_a_page():
-    params = [nn.Parameter(torch.randn(8, 64)), nn.Parameter(torch.randn(64, 8)),
-              nn.Parameter(torch.randn(8, 96)), nn.Parameter(torch.randn(96, 8))]
-    assert sum(p.numel() for p in params) == 2560
-    opt = po.AdamW(params)
+    # Rank 32: the B matrices' rows are whole groups. (Rows shorter than 32 take a whole
+    # group's page slot each: docs/compression.md, benchmarks/row_groups.py.)
+    params = [nn.Parameter(torch.randn(32, 64)), nn.Parameter(torch.randn(64, 32)),
+              nn.Parameter(torch.randn(32, 96)), nn.Parameter(torch.randn(96, 32))]
+    assert sum(p.numel() for p in params) == 10240
+    opt = po.AdamW(params, min_8bit_size=0)  # 8-bit moments, as a LoRA on 4096 wide gets
     set_grads(params, 0)
     opt.step()
     report = opt.memory_report()
@@ -590,7 +592,7 @@ def test_a_copy_read_before_a_load_is_stale_after_it():
 
 
 def _stepped_report(params, **kwargs):
-    opt = po.AdamW(params, **kwargs)
+    opt = po.AdamW(params, min_8bit_size=0, **kwargs)
     set_grads(params, 0)
     opt.step()
     return opt.memory_report()
@@ -603,13 +605,13 @@ def test_pages_chosen_for_the_state_hold_all_of_it(kwargs, state_bits):
     """choose_page_bytes lays pages out as the native geometry does (stream alignment
     included): a state of one kind under 2 MiB fits one page, exactly; a state of two kinds
     (fp32 params, bf16 params with a residual) costs no more pages and bytes than one page
-    per kind sized for the larger would."""
+    per kind sized for the larger would. The params are 2-D, so that each dtype is one kind
+    (1-D params keep fp32 moments, a kind of their own)."""
     gen = torch.Generator().manual_seed(state_bits)
     charge = po.paging.PAGE_OVERHEAD_CHARGE
     for trial in range(5):
-        shapes = [tuple(int(d) for d in torch.randint(1, 300, (int(torch.randint(1, 3, (1,),
-                  generator=gen)),), generator=gen)) for _ in range(int(torch.randint(2, 9, (1,),
-                  generator=gen)))]
+        shapes = [tuple(int(d) for d in torch.randint(1, 300, (2,), generator=gen))
+                  for _ in range(int(torch.randint(2, 9, (1,), generator=gen)))]
         params = [nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s, dtype in
                   zip(shapes, [torch.float32, torch.bfloat16] * 5)]
         one_kind = [_stepped_report([p.detach().clone().requires_grad_() for p in params
@@ -634,14 +636,15 @@ def test_small_tiers_of_skewadam_share_a_page_size_that_fits_them():
 
     def stepped(**kwargs):
         opt = po.SkewAdam([{"params": [nn.Parameter(t.clone()) for t in tensors], "tier": tier}
-                           for tier, tensors in tiers], **kwargs)
+                           for tier, tensors in tiers], min_8bit_size=0, **kwargs)
         for group in opt.param_groups:
             for p in group["params"]:
                 p.grad = torch.ones_like(p)
         opt.step()
         report = opt.memory_report()
         kinds = opt.state_store.stream_kinds()
-        return report, len({kind for kind, _ in opt.state_store.planned_state() if kinds[kind]})
+        return report, len({kind for kind, *_ in opt.state_store.planned_state()
+                            if kinds[kind]})
 
     charge = po.paging.PAGE_OVERHEAD_CHARGE
     chosen, kinds_in_use = stepped()

@@ -7,7 +7,8 @@ import torch
 
 import pagedoptim as po
 from support import (EXACT, FP32_TOL, SMALL_SHAPES, Grads, TrajectoryScale,
-                      assert_params_close, make_params, run_steps, set_grads)
+                     assert_8bit_moment_bytes, assert_params_close, make_params, run_steps,
+                     set_grads)
 
 K, N = 4, 10  # wrap after K steps, N steps in all
 
@@ -71,10 +72,12 @@ def test_wrap_applies_the_paging_kwargs():
     torch_opt = torch.optim.AdamW(params, lr=1e-2)
     run_steps(torch_opt, params, Grads(SMALL_SHAPES, 1), 0, 1)
     exact = po.wrap(torch_opt, **EXACT).memory_report()
-    compressed = po.wrap(torch_opt, state_bits=8).memory_report()
+    compressed = po.wrap(torch_opt, state_bits=8, min_8bit_size=0).memory_report()
     numel = sum(p.numel() for p in params)
     assert exact["moment_bytes"] == 2 * 4 * numel  # fp32 m and v
-    assert compressed["moment_bytes"] == 2 * 1 * numel  # 8-bit codes of m and v
+    # 8-bit codes of m and v; fp32 moments for the 0-dim and 1-D params
+    assert_8bit_moment_bytes(compressed)
+    assert compressed["fp32_state_elements"] == sum(p.numel() for p in params if p.dim() < 2)
 
 
 def test_wrap_leaves_the_torch_optimizer_as_it_was():
@@ -147,6 +150,11 @@ def test_wrap_while_patched_uses_torch_classes_and_its_own_settings():
     finally:
         po.unpatch()
     assert type(wrapped) is po.AdamW
-    # The patch's settings are for scripts' torch names, not for wrap(): the default 8 bits.
+    # The patch's settings are for scripts' torch names, not for wrap(): the default 8 bits
+    # (these small params keep fp32 moments there, so their 8 B each would be 32 bits too:
+    # the 8-bit format shows in the report's count of them).
     run_steps(wrapped, params, Grads(SMALL_SHAPES, 1), 0, 1)
-    assert wrapped.memory_report()["moment_bytes"] == 2 * sum(p.numel() for p in params)
+    report = wrapped.memory_report()
+    assert_8bit_moment_bytes(report)
+    assert report["fp32_state_elements"] == report["num_elements"]
+    assert wrapped.settings["state_bits"] == 8

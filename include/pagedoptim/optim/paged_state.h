@@ -98,8 +98,9 @@ class PagedState {
              std::unique_ptr<paging::PageStore> store);
 
   // Lays out zero-initialized state for a parameter of `numel` elements of kind `kind`;
-  // returns its slot.
-  int32_t register_param(int64_t numel, int kind = 0);
+  // returns its slot. `row_length`: the length of its last dimension (0: one row); 8-bit
+  // groups never cross one of its rows (paging/page_table.h).
+  int32_t register_param(int64_t numel, int kind = 0, int64_t row_length = 0);
 
   void step_adamw(const std::vector<ParamStep>& params, const std::vector<AdamWGroup>& groups,
                   const ParallelFor& parallel_for);

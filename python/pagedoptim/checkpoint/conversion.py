@@ -4,14 +4,18 @@ without the model.
 A moment X is saved as fp32 "X" (torch.optim's format, and pagedoptim's with
 state_bits=32) or as companded "X_codes" + "X_scales" (state_bits=8); bf16/fp16 parameters
 may add a "master_residual" (state_format). No parameter is needed: element streams (fp32
-moments, codes, residuals) are saved shaped like their parameter, and the scales, one per 32
-elements, follow from the element count. The moments are converted with state_format's codec,
-the one the kernels and load_state_dict use; everything else (step, SkewAdam's factored
-second moments, param_groups) is kept as it is.
+moments, codes, residuals) are saved shaped like their parameter, and the scales, one per
+group of 32 elements of a row of the last dimension, follow from the codes' shape (or, from
+pagedoptim before 0.2, one per 32 elements in flat order). With state_bits=8, the params that
+pagedoptim keeps in fp32 (1-D, fewer than min_8bit_size elements, complex:
+state_format.keeps_8bit_state) keep fp32 moments here too. The moments are converted with
+state_format's codec, the one the kernels and load_state_dict use; everything else (step,
+SkewAdam's factored second moments, param_groups) is kept as it is.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -46,8 +50,9 @@ def to_torch_format(state_dict: Mapping[str, Any], algorithm: str) -> dict[str, 
                     target="torch.optim's format")
 
 
-def to_pagedoptim_format(state_dict: Mapping[str, Any], algorithm: str,
-                         state_bits: int) -> dict[str, Any]:
+def to_pagedoptim_format(state_dict: Mapping[str, Any], algorithm: str, state_bits: int,
+                         min_8bit_size: int = state_format.DEFAULT_MIN_8BIT_SIZE
+                         ) -> dict[str, Any]:
     """`state_dict` (torch.optim's format or pagedoptim's) with its moments in the format of
     pagedoptim's `state_bits` (8: companded codes + scales, 32: fp32); master residuals are
     kept. A torch.optim.Adam state_dict with weight decay is refused: pagedoptim.AdamW's
@@ -63,7 +68,8 @@ def to_pagedoptim_format(state_dict: Mapping[str, Any], algorithm: str,
         if mismatch is not None:
             raise ValueError(f"{mismatch}; pagedoptim has no Adam with coupled weight decay")
     return _convert(state_dict, algorithm, state_bits=state_bits, keep_residual=True,
-                    target=f"pagedoptim's state_bits={state_bits} format")
+                    target=f"pagedoptim's state_bits={state_bits} format",
+                    min_8bit_size=min_8bit_size)
 
 
 def _moments_of(algorithm: str) -> list[Moment]:
@@ -77,7 +83,8 @@ def _moments_of(algorithm: str) -> list[Moment]:
 
 
 def _convert(state_dict: Mapping[str, Any], algorithm: str, *, state_bits: int,
-             keep_residual: bool, target: str) -> dict[str, Any]:
+             keep_residual: bool, target: str,
+             min_8bit_size: int = state_format.DEFAULT_MIN_8BIT_SIZE) -> dict[str, Any]:
     moments = _moments_of(algorithm)
     checkpoint_algorithms.identify_algorithm(state_dict)  # raises if not a state_dict
     converted_state: dict[Any, Any] = {}
@@ -87,7 +94,8 @@ def _convert(state_dict: Mapping[str, Any], algorithm: str, *, state_bits: int,
             converted_state[index] = given  # not a parameter's state; nothing to convert
             continue
         converted_state[index], param_changed = _convert_param(
-            index, given, moments, state_bits=state_bits, keep_residual=keep_residual)
+            index, given, moments, state_bits=state_bits, keep_residual=keep_residual,
+            min_8bit_size=min_8bit_size)
         changed |= param_changed
     if not changed:
         raise AlreadyInTargetFormat(f"the state_dict is already in {target}: nothing to "
@@ -96,7 +104,8 @@ def _convert(state_dict: Mapping[str, Any], algorithm: str, *, state_bits: int,
 
 
 def _convert_param(index: Any, given: Mapping[str, Any], moments: list[Moment], *,
-                   state_bits: int, keep_residual: bool) -> tuple[dict[str, Any], bool]:
+                   state_bits: int, keep_residual: bool,
+                   min_8bit_size: int) -> tuple[dict[str, Any], bool]:
     """One parameter's state in the target format, and whether that changed anything.
 
     A stream already in the target format is kept as it is, dtype included: torch keeps
@@ -104,6 +113,8 @@ def _convert_param(index: Any, given: Mapping[str, Any], moments: list[Moment], 
     """
     # A complex param's moments are coded as their real view (as the optimizer steps them);
     # kept as they are where no conversion is needed.
+    complex_moments = {key for key, value in given.items()
+                       if isinstance(value, torch.Tensor) and value.is_complex()}
     given = {key: (torch.view_as_real(value) if isinstance(value, torch.Tensor)
                    and value.is_complex() and f"{key}_codes" not in given else value)
              for key, value in given.items()}
@@ -116,11 +127,15 @@ def _convert_param(index: Any, given: Mapping[str, Any], moments: list[Moment], 
         shape = _element_shape(index, moment, given)
         if shape is None:
             continue
-        for spec in state_format.moment_streams(moment, state_bits):
+        # With state_bits=8, the params pagedoptim keeps in fp32 keep fp32 moments (a complex
+        # param's shape here is its real view's).
+        bits = state_bits if state_bits == 32 or state_format.shape_keeps_8bit_state(
+            shape, moment.name in complex_moments, min_8bit_size) else 32
+        for spec in state_format.moment_streams(moment, bits):
             if spec.name in given:
                 converted[spec.name] = given[spec.name]
                 continue
-            value = state_format.convert_for_stream(spec, moments, given, shape.numel())
+            value = state_format.convert_for_stream(spec, moments, given, shape)
             converted[spec.name] = value.reshape(state_format.group_shape(shape) if spec.per_group
                                                   else shape)
             changed = True
@@ -146,9 +161,11 @@ def _element_shape(index: Any, moment: Moment, given: Mapping[str, Any]
         raise ValueError(f"state of param {index} has only one of '{moment.name}_codes' and "
                          f"'{moment.name}_scales': both are needed to dequantize "
                          f"'{moment.name}'")
-    expected_scales = (codes.numel() + state_format.GROUP_SIZE - 1) // state_format.GROUP_SIZE
-    if scales.numel() != expected_scales:
+    expected_scales = math.prod(state_format.group_shape(codes.shape))
+    flat_scales = math.prod(state_format.flat_group_shape(codes.shape))  # before 0.2
+    if scales.numel() not in (expected_scales, flat_scales):
         raise ValueError(f"state '{moment.name}_scales' of param {index} has {scales.numel()} "
-                         f"elements, expected {expected_scales} (one per "
-                         f"{state_format.GROUP_SIZE} of the {codes.numel()} codes)")
+                         f"elements, expected {expected_scales} (one per group of "
+                         f"{state_format.GROUP_SIZE} of each row of the {tuple(codes.shape)} "
+                         "codes)")
     return codes.shape

@@ -35,7 +35,10 @@ from pagedoptim._native import native
 
 MAGIC = b"\x89POCKPT\n"  # a high-bit byte and a newline: mangled transfers show at once
 FORMAT = "pagedoptim-checkpoint"
-VERSION = 1
+# Version 2: a slot's 8-bit groups restart at every row of `row_length` elements (0: flat);
+# version 1 (pagedoptim before 0.2) had flat groups only, and reads as row_length 0.
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 GROUP_SIZE = 32
 
 _PREAMBLE = struct.Struct("<8sII")
@@ -199,17 +202,42 @@ class StreamEntry:
     bytes_per_group: int
     per_group: bool
 
-    def byte_range(self, begin: int, end: int) -> tuple[int, int]:
-        """Bytes [first, last) of elements [begin, end) (begin a multiple of 32)."""
+    def byte_range(self, begin: int, end: int, row_length: int = 0) -> tuple[int, int]:
+        """Bytes [first, last) of elements [begin, end) (begin a multiple of 32 elements).
+        A per-group stream's range runs from the group holding `begin` to the last group
+        holding an element before `end`: with groups that restart at every row of
+        `row_length` elements (0: flat), a range cut inside a row's last group shares that
+        group's scale with the next range."""
         if self.per_group:
-            groups = -(-end // GROUP_SIZE)
-            return begin // GROUP_SIZE * self.bytes_per_group, groups * self.bytes_per_group
+            first = _group_at(begin, row_length, round_up=False)
+            last = _group_at(end, row_length, round_up=True)
+            return first * self.bytes_per_group, max(first, last) * self.bytes_per_group
         return (begin * self.bytes_per_group // GROUP_SIZE,
                 end * self.bytes_per_group // GROUP_SIZE)
 
-    def total_bytes(self, numel: int) -> int:
-        first, last = self.byte_range(0, numel)
+    def total_bytes(self, numel: int, row_length: int = 0) -> int:
+        first, last = self.byte_range(0, numel, row_length)
         return last - first
+
+
+def _group_at(element: int, row_length: int, round_up: bool) -> int:
+    """The index of the group holding `element` (round_up: of the first group at or after
+    it), groups of 32 restarting at every row of `row_length` elements (0: one row)."""
+    if row_length == 0:
+        return -(-element // GROUP_SIZE) if round_up else element // GROUP_SIZE
+    row, column = divmod(element, row_length)
+    per_row = -(-row_length // GROUP_SIZE)
+    in_row = -(-column // GROUP_SIZE) if round_up else column // GROUP_SIZE
+    return row * per_row + in_row
+
+
+def row_grouping(numel: int, row_length: int, streams: Any) -> int:
+    """The row length a slot's groups restart at, 0 where they are flat: a slot without
+    per-group streams, one row, or rows of whole groups (where both layouts agree)."""
+    if (not any(s.per_group for s in streams) or row_length <= 0 or row_length >= numel
+            or row_length % GROUP_SIZE == 0):
+        return 0
+    return row_length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +248,8 @@ class SlotEntry:
     role: str
     numel: int
     streams: tuple[StreamEntry, ...]
+    # The row length its 8-bit groups restart at (row_grouping); 0: flat.
+    row_length: int = 0
 
     @property
     def bytes_per_group(self) -> int:
@@ -261,9 +291,10 @@ class Header:
                 "state": (None if entry.state is None
                           else encode_value(entry.state, f"state of param {i}")),
                 "hidden_step": entry.hidden_step,
-                "slots": [{"role": slot.role, "numel": slot.numel, "streams": [
-                    dataclasses.asdict(stream) for stream in slot.streams]}
-                    for slot in entry.slots]}
+                "slots": [{"role": slot.role, "numel": slot.numel,
+                           "row_length": slot.row_length, "streams": [
+                               dataclasses.asdict(stream) for stream in slot.streams]}
+                          for slot in entry.slots]}
                 for i, entry in enumerate(self.params)],
             "other_state": [[encode_value(k, "optimizer.state key"),
                              encode_value(v, f"optimizer.state[{k!r}]")]
@@ -307,7 +338,8 @@ def _stream_from_json(raw: dict[str, Any], where: str) -> StreamEntry:
     return StreamEntry(_field(raw, "name", str, where), dtype, bytes_per_group, per_group)
 
 
-def _slot_from_json(raw: dict[str, Any], where: str, record_bytes: int) -> SlotEntry:
+def _slot_from_json(raw: dict[str, Any], where: str, record_bytes: int,
+                    version: int) -> SlotEntry:
     numel = _field(raw, "numel", int, where)
     if not 0 <= numel < 1 << 48:
         raise CheckpointError(f"{where}: numel {numel} is out of range")
@@ -315,14 +347,19 @@ def _slot_from_json(raw: dict[str, Any], where: str, record_bytes: int) -> SlotE
                     for stream_where, stream in _objects(raw, "streams", f"{where} streams"))
     if not streams:
         raise CheckpointError(f"{where} has no streams")
-    slot = SlotEntry(_field(raw, "role", str, where), numel, streams)
+    row_length = _field(raw, "row_length", int, where) if version >= 2 else 0
+    if row_length != row_grouping(numel, row_length, streams) or \
+            (row_length and numel % row_length):
+        raise CheckpointError(f"{where}: row_length {row_length} is not a row grouping of "
+                              f"{numel} elements")
+    slot = SlotEntry(_field(raw, "role", str, where), numel, streams, row_length)
     if slot.bytes_per_group > record_bytes:
         raise CheckpointError(f"{where}: a group of its streams does not fit a record")
     return slot
 
 
 def _param_from_json(raw: dict[str, Any], position: int, where: str,
-                     record_bytes: int) -> ParamEntry:
+                     record_bytes: int, version: int) -> ParamEntry:
     alias = _field(raw, "alias_of", (int, None), where)
     if alias is not None:
         _index(alias, position, f"{where} alias_of")
@@ -334,7 +371,7 @@ def _param_from_json(raw: dict[str, Any], position: int, where: str,
     hidden = _field(raw, "hidden_step", (float, None), where)
     if hidden is not None and not -2.0 ** 63 < hidden < 2.0 ** 63:  # a JSON int may be huge
         raise CheckpointError(f"{where}: hidden_step {hidden!r} is out of range")
-    slots = tuple(_slot_from_json(slot, slot_where, record_bytes)
+    slots = tuple(_slot_from_json(slot, slot_where, record_bytes, version)
                   for slot_where, slot in _objects(raw, "slots", f"{where} slots"))
     return ParamEntry(_shape(_field(raw, "shape", list, where), where),
                       _field(raw, "dtype", str, where), alias, state,
@@ -348,9 +385,9 @@ def header_from_json(obj: Any) -> Header:
     if obj.get("format") != FORMAT:
         raise CheckpointError(f"the header's format is {obj.get('format')!r}, not {FORMAT!r}")
     version = obj.get("version")
-    if version != VERSION:
-        raise CheckpointError(f"format version {version!r}; this pagedoptim reads version "
-                              f"{VERSION}")
+    if version not in READABLE_VERSIONS:
+        raise CheckpointError(f"format version {version!r}; this pagedoptim reads versions "
+                              f"{READABLE_VERSIONS}")
     algorithm = _field(obj, "algorithm", str, "header")
     optimizer = _field(obj, "optimizer", str, "header")
     stream_format = _field(obj, "stream_format", dict, "header")
@@ -358,7 +395,7 @@ def header_from_json(obj: Any) -> Header:
     if not MIN_RECORD_BYTES <= record_bytes <= MAX_RECORD_BYTES:
         raise CheckpointError(f"header: record_bytes {record_bytes} is outside "
                               f"[{MIN_RECORD_BYTES}, {MAX_RECORD_BYTES}]")
-    params = [_param_from_json(raw, i, where, record_bytes)
+    params = [_param_from_json(raw, i, where, record_bytes, version)
               for i, (where, raw) in enumerate(_objects(obj, "params", "header: params"))]
     groups = []
     for i, raw in enumerate(_field(obj, "param_groups", list, "header")):
@@ -430,9 +467,9 @@ def read_header(handle: BinaryIO) -> Header:
     if magic != MAGIC:
         raise CheckpointError("not a pagedoptim streaming checkpoint (its first bytes are "
                               f"{magic!r}; a torch.save file loads with load_state_dict)")
-    if version != VERSION:
-        raise CheckpointError(f"format version {version}; this pagedoptim reads version "
-                              f"{VERSION}")
+    if version not in READABLE_VERSIONS:
+        raise CheckpointError(f"format version {version}; this pagedoptim reads versions "
+                              f"{READABLE_VERSIONS}")
     remaining = _remaining(handle)
     if length > MAX_HEADER_BYTES or (remaining is not None and length + _CRC.size > remaining):
         raise CheckpointError(f"the header claims {length} bytes, more than the file holds "
@@ -470,8 +507,12 @@ class RecordSpec:
 
 
 def elements_per_record(slot: SlotEntry, record_bytes: int) -> int:
-    """Whole groups of the slot's streams, as many as fit in record_bytes."""
-    return max(1, record_bytes // slot.bytes_per_group) * GROUP_SIZE
+    """Whole groups of the slot's streams, as many as fit in record_bytes, in elements: 32
+    a group, or a row's where rows shorter than 32 are groups of their own (longer rows add
+    at most one partial group per row crossed, so a payload stays within twice
+    record_bytes)."""
+    per_group = min(GROUP_SIZE, slot.row_length) if slot.row_length else GROUP_SIZE
+    return max(1, record_bytes // slot.bytes_per_group) * per_group
 
 
 def expected_records(header: Header) -> Iterator[RecordSpec]:
@@ -482,39 +523,30 @@ def expected_records(header: Header) -> Iterator[RecordSpec]:
             step = elements_per_record(slot, header.record_bytes)
             for begin in range(0, slot.numel, step):
                 end = min(slot.numel, begin + step)
-                payload = sum(s.byte_range(begin, end)[1] - s.byte_range(begin, end)[0]
-                              for s in slot.streams)
+                payload = sum(last - first for first, last in
+                              (s.byte_range(begin, end, slot.row_length) for s in slot.streams))
                 yield RecordSpec(position, index, begin, end - begin, payload)
 
 
-def _slots(header: Header) -> Iterator[tuple[SlotEntry, int]]:
-    """Every slot of the header with its elements per record."""
-    for entry in header.params:
-        for slot in entry.slots:
-            yield slot, elements_per_record(slot, header.record_bytes)
-
-
 def max_payload_bytes(header: Header) -> int:
-    """The largest payload of the file's records: a slot's first record (the ones after it
-    are as large, the last one maybe smaller)."""
-    return max((sum(s.byte_range(0, min(slot.numel, step))[1] for s in slot.streams)
-                for slot, step in _slots(header)), default=0)
+    """The largest payload of the file's records (with row groups a later record of a slot
+    can hold one group more than its first)."""
+    return max((spec.payload_bytes for spec in expected_records(header)), default=0)
 
 
 def records_bytes(header: Header) -> int:
     """Bytes of all records and the footer: what follows the header in a whole file."""
-    return _FOOTER.size + sum(
-        -(-slot.numel // step) * _RECORD.size + sum(s.total_bytes(slot.numel)
-                                                    for s in slot.streams)
-        for slot, step in _slots(header))
+    return _FOOTER.size + sum(_RECORD.size + spec.payload_bytes
+                              for spec in expected_records(header))
 
 
 def record_parts(header: Header, spec: RecordSpec) -> Iterator[tuple[str, int, int, int]]:
     """(stream name, byte offset in the stream, byte offset in the payload, bytes) of each
     stream's part of the record's payload."""
     at = 0
-    for stream in header.params[spec.param].slots[spec.slot].streams:
-        first, last = stream.byte_range(spec.begin, spec.begin + spec.count)
+    slot = header.params[spec.param].slots[spec.slot]
+    for stream in slot.streams:
+        first, last = stream.byte_range(spec.begin, spec.begin + spec.count, slot.row_length)
         yield stream.name, first, at, last - first
         at += last - first
 

@@ -15,12 +15,14 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
-from typing import Any, Iterator, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 
 from pagedoptim.checkpoint import atomic_file, format as checkpoint_format
 
+from pagedoptim.engine.state_store import state_shape
+from pagedoptim.state import format as state_format
 from pagedoptim.state import sharding as sharded_params
 from pagedoptim.checkpoint.format import (CheckpointError, Header, ParamEntry, SlotEntry,
                                           StreamEntry, dtype_name)
@@ -45,6 +47,12 @@ def _stream_entries(specs: list[Any]) -> tuple[StreamEntry, ...]:
                              spec.per_group) for spec in specs)
 
 
+def _slot_entry(role: str, numel: int, specs: list[Any], row_length: int) -> SlotEntry:
+    streams = _stream_entries(specs)
+    return SlotEntry(role, numel, streams,
+                     checkpoint_format.row_grouping(numel, row_length, streams))
+
+
 def _stream_format(store: Any) -> dict[str, Any]:
     return {"state_bits": store.options.state_bits, "master_bits": store.options.master_bits,
             "group_size": checkpoint_format.GROUP_SIZE}
@@ -63,8 +71,8 @@ def _build_header(store: Any, state_map: Any) -> tuple[Header, list[list[int]]]:
         slots: list[SlotEntry] = []
         numbers: list[int] = []
         if alias == position:
-            for role, slot, numel, specs in store.checkpoint_slots(p):
-                slots.append(SlotEntry(role, numel, _stream_entries(specs)))
+            for role, slot, numel, specs, row_length in store.checkpoint_slots(p):
+                slots.append(_slot_entry(role, numel, specs, row_length))
                 numbers.append(slot)
         state = hidden = None
         if alias == position and isinstance(value, ParamState):
@@ -218,19 +226,60 @@ def _check_matches(store: Any, header: Header, path: pathlib.Path) -> None:
 
 
 def _check_slots(store: Any, p: torch.Tensor, position: int, entry: ParamEntry,
-                 path: pathlib.Path) -> list[int]:
-    """The engine slots the staging store gave p, checked against the saved ones."""
+                 path: pathlib.Path) -> list[Optional[int]]:
+    """The engine slots the staging store gave p, checked against the saved ones; None for
+    a slot saved in another layout of the same state (8-bit moments where this optimizer
+    keeps fp32 ones or the reverse, as min_8bit_size decides; or the flat groups of
+    version 1), which the reader converts through the store (`Reader.read_streams`)."""
     store.slot(p)
-    ours = store.checkpoint_slots(p)
-    mine = [(role, numel, _stream_entries(specs)) for role, _, numel, specs in ours]
-    saved = [(slot.role, slot.numel, slot.streams) for slot in entry.slots]
-    if mine != saved:
-        describe = lambda slots: [(role, numel, [s.name for s in streams])  # noqa: E731
-                                  for role, numel, streams in slots]
-        raise ValueError(f"{path}: param {position} keeps state {describe(saved)} in the "
-                         f"checkpoint, this optimizer lays out {describe(mine)} for it with "
-                         "the checkpoint's hyperparameters")
-    return [slot for _, slot, _, _ in ours]
+    ours = [(role, slot, _slot_entry(role, numel, specs, row))
+            for role, slot, numel, specs, row in store.checkpoint_slots(p)]
+    mine = [slot for _, _, slot in ours]
+    if mine == list(entry.slots):
+        return [number for _, number, _ in ours]
+    convertible = (
+        [(s.role, s.numel) for s in mine] == [(s.role, s.numel) for s in entry.slots]
+        and all(a == b or (a.role == "state"
+                           and all(store.is_stream_name(s.name) for s in a.streams))
+                for a, b in zip(entry.slots, mine)))
+    if not convertible:
+        describe = lambda slots: [(slot.role, slot.numel,  # noqa: E731
+                                   [s.name for s in slot.streams]) for slot in slots]
+        raise ValueError(f"{path}: param {position} keeps state {describe(entry.slots)} in "
+                         f"the checkpoint, this optimizer lays out {describe(mine)} for it "
+                         "with the checkpoint's hyperparameters")
+    return [number if saved == slot else None
+            for (_, number, slot), saved in zip(ours, entry.slots)]
+
+
+class _Conversion:
+    """The streams of one saved slot gathered from its records, for a slot whose layout
+    differs from the store's: written through store.write_streams, which converts (decodes
+    8-bit moments to fp32, encodes fp32 ones, re-groups flat groups in rows)."""
+
+    def __init__(self, slot: SlotEntry) -> None:
+        self.slot = slot
+        self.buffers = {stream.name: torch.empty(stream.total_bytes(slot.numel, slot.row_length),
+                                                 dtype=torch.uint8)
+                        for stream in slot.streams}
+
+    def write(self, name: str, offset: int, payload: torch.Tensor) -> None:
+        self.buffers[name][offset:offset + payload.numel()] = payload
+
+    def given(self, shape: torch.Size) -> dict[str, torch.Tensor]:
+        """The saved streams as tensors: element streams shaped like the state, scales in
+        their saved layout (flat where the saved groups were: state_format.is_flat_layout
+        tells them apart by that)."""
+        given = {}
+        for stream in self.slot.streams:
+            values = self.buffers[stream.name].view(
+                checkpoint_format.dtype_of(stream.dtype, stream.name))
+            if not stream.per_group:
+                values = values.view(shape)
+            elif self.slot.row_length or len(shape) < 2:
+                values = values.view(state_format.group_shape(shape))
+            given[stream.name] = values
+        return given
 
 
 class Reader:
@@ -271,21 +320,33 @@ class Reader:
         checkpoint's groups), checks it against the saved layout, and reads every record
         into its pages."""
         params = store.params()
-        slots: dict[int, list[int]] = {}
+        slots: dict[int, list[Optional[int]]] = {}
+        conversions: dict[tuple[int, int], _Conversion] = {}
         for position, entry in enumerate(self.header.params):
             if entry.slots:
                 slots[position] = _check_slots(store, params[position], position, entry,
                                                self.path)
+                for index, number in enumerate(slots[position]):
+                    if number is None:
+                        conversions[position, index] = _Conversion(entry.slots[index])
         buffer = torch.empty(checkpoint_format.max_payload_bytes(self.header), dtype=torch.uint8)
         view = memoryview(buffer.numpy())
         try:
             for spec, payload in checkpoint_format.iter_records(self._handle, self.header, view):
                 engine_slot = slots[spec.param][spec.slot]
+                conversion = conversions.get((spec.param, spec.slot))
                 for name, offset, at, size in checkpoint_format.record_parts(self.header, spec):
-                    store.engine.write_stream_range(engine_slot, name, offset,
-                                                    buffer[at:at + size])
+                    if conversion is not None:
+                        conversion.write(name, offset, buffer[at:at + size])
+                    else:
+                        store.engine.write_stream_range(engine_slot, name, offset,
+                                                        buffer[at:at + size])
         except CheckpointError as error:
             raise CheckpointError(f"{self.path}: {error}") from None
+        for (position, _), conversion in conversions.items():
+            p = params[position]
+            store.write_streams(p, conversion.given(state_shape(p)), complete=True,
+                                where=f"{self.path}: state of param {position}")
 
     def other_state(self) -> list[tuple[Any, Any]]:
         """The saved state entries whose keys are not params."""

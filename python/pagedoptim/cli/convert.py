@@ -59,6 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-bits", type=int, choices=checkpoint_conversion.STATE_BITS,
                         help="with --to pagedoptim: 8 (companded, the default of pagedoptim's "
                              "optimizers) or 32 (fp32)")
+    parser.add_argument("--min-8bit-size", type=int,
+                        default=checkpoint_conversion.state_format.DEFAULT_MIN_8BIT_SIZE,
+                        help="with --state-bits 8: params with fewer elements (and 1-D ones) "
+                             "keep fp32 moments, as the optimizer with this min_8bit_size "
+                             "keeps them (default: %(default)s, the optimizers' default)")
     parser.add_argument("--algorithm", choices=checkpoint_algorithms.KINDS,
                         help="the optimizer that saved INPUT (default: read from INPUT)")
     parser.add_argument("--key", help="the key of the optimizer state_dict inside INPUT "
@@ -79,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
         if args.to == "torch":
             converted = checkpoint_conversion.to_torch_format(state_dict, algorithm)
         else:
-            converted = checkpoint_conversion.to_pagedoptim_format(state_dict, algorithm,
-                                                                   args.state_bits)
+            converted = checkpoint_conversion.to_pagedoptim_format(
+                state_dict, algorithm, args.state_bits, min_8bit_size=args.min_8bit_size)
         save_atomically(converted if key is None else {**checkpoint, key: converted},
                         args.output)
         target = ("torch.optim's format" if args.to == "torch"

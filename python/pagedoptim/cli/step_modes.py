@@ -63,9 +63,11 @@ def _make_params(num_params: int, dtype: torch.dtype, device: torch.device) -> l
     generator = torch.Generator().manual_seed(0)
     params = []
     for size in _tensor_sizes(num_params):
-        values = torch.randn(size, generator=generator)
+        # One row each: 2-D, as a model's weights (1-D params keep fp32 moments), with the
+        # groups of a flat tensor.
+        values = torch.randn(1, size, generator=generator)
         param = torch.nn.Parameter(values.to(device=device, dtype=dtype))
-        param.grad = torch.randn(size, generator=generator).to(device=device, dtype=dtype)
+        param.grad = torch.randn(1, size, generator=generator).to(device=device, dtype=dtype)
         params.append(param)
     return params
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import weakref
 from typing import Any, Iterator, Optional
 
@@ -156,8 +157,18 @@ class StateStore:
         return self.build_stream_kinds()
 
     def build_stream_kinds(self) -> list[list[StreamSpec]]:
-        """The stream layout of each kind of param for the groups as they are now (the
-        one to override for another layout)."""
+        """The stream layout of each kind of param for the groups as they are now: the
+        algorithm's `layout_kinds()`, then, with 8-bit state, an fp32 twin of each kind with
+        8-bit moments for the params that keep fp32 moments (`state_format.keeps_8bit_state`:
+        1-D, small and complex params)."""
+        kinds = self.layout_kinds()
+        if self.options.state_bits == 8:
+            kinds += [state_format.full_precision(kind) for kind in kinds]
+        return kinds
+
+    def layout_kinds(self) -> list[list[StreamSpec]]:
+        """The streams of each kind of param in the optimizer's state format (the one to
+        override for another layout)."""
         moments = [spec for moment in self.optimizer._moments()
                    for spec in state_format.moment_streams(moment, self.options.state_bits)]
         kinds = [moments, list(moments)]
@@ -165,18 +176,31 @@ class StateStore:
             kinds[KIND_WITH_RESIDUAL].append(state_format.residual_stream(self.options.master_bits))
         return kinds
 
-    def kind_of(self, p: torch.Tensor) -> int:
+    def layout_kind_of(self, p: torch.Tensor) -> int:
+        """p's kind among `layout_kinds()` (the one to override with them)."""
         if self.options.master_bits is not None and p.dtype in LOW_PRECISION_DTYPES:
             return KIND_WITH_RESIDUAL
         return KIND_PLAIN
 
+    def kind_of(self, p: torch.Tensor) -> int:
+        """p's kind: its layout kind, or that kind's fp32 twin where p keeps fp32 moments."""
+        kind = self.layout_kind_of(p)
+        if self.options.state_bits == 8 and not self.keeps_8bit_state(p):
+            kind += len(self.stream_kinds()) // 2
+        return kind
+
+    def keeps_8bit_state(self, p: torch.Tensor) -> bool:
+        """Whether p's moments are 8-bit (with state_bits=8): see state_format.keeps_8bit_state."""
+        return state_format.keeps_8bit_state(p, self.options.min_8bit_size)
+
     def streams_of(self, p: torch.Tensor) -> list[StreamSpec]:
         return self.stream_kinds()[self.kind_of(p)]
 
-    def planned_state(self) -> list[tuple[int, int]]:
-        """(kind, elements) of the state every param of the groups will have: what the
-        page size is chosen for."""
-        return [(self.kind_of(p), state_numel(p)) for p in dict.fromkeys(self.params())]
+    def planned_state(self) -> list[tuple[int, int, int]]:
+        """(kind, elements, row length) of the state every param of the groups will have:
+        what the page size is chosen for."""
+        return [(self.kind_of(p), state_numel(p), state_format.row_length(state_shape(p)))
+                for p in dict.fromkeys(self.params())]
 
     def ensure_engine(self) -> Any:
         """The native engine, created on first use with a page size chosen for every param
@@ -223,7 +247,8 @@ class StateStore:
                     self._check_shard_keeps_groups(p)
                 # Pages start zeroed: a zero residual makes the master weight exactly the
                 # 16-bit parameter, which is right for a weight never split before.
-                slot = engine.register_param(state_numel(p), kind)
+                slot = engine.register_param(state_numel(p), kind,
+                                             state_format.row_length(state_shape(p)))
             else:
                 slot = -1
             self._slots[p] = slot
@@ -237,12 +262,15 @@ class StateStore:
         """The params with state in the pages, in the order they got it."""
         return [p for p, slot in self._slots.items() if slot >= 0]
 
-    def checkpoint_slots(self, p: torch.Tensor) -> list[tuple[str, int, int, list[StreamSpec]]]:
-        """(role, engine slot, elements, streams) of each slot holding p's paged state."""
+    def checkpoint_slots(self, p: torch.Tensor
+                         ) -> list[tuple[str, int, int, list[StreamSpec], int]]:
+        """(role, engine slot, elements, streams, row length) of each slot holding p's paged
+        state (the row length its 8-bit groups follow: state_format.row_length)."""
         slot = self.slot_of(p)
         if slot < 0:
             return []
-        return [("state", slot, state_numel(p), self.streams_of(p))]
+        return [("state", slot, state_numel(p), self.streams_of(p),
+                 state_format.row_length(state_shape(p)))]
 
     def batch_layout(self, p: torch.Tensor) -> Any:
         """What the algorithm's native step needs of `p` beside its slot (SkewAdam: where its
@@ -319,7 +347,7 @@ class StateStore:
                      for name in (f"{key}_codes", f"{key}_scales")}
             fp32 = StreamSpec(key, 4 * state_format.GROUP_SIZE, False, torch.float32)
             value = state_format.convert_for_stream(fp32, self.all_moments(), given,
-                                                    state_numel(p)).reshape(shape)
+                                                    shape).reshape(shape)
         if p.is_complex() and value.dtype == torch.float32 and value.shape == shape:
             value = torch.view_as_complex(value)
         return self.as_public(p, value, state_format.is_group_stream(key))
@@ -351,12 +379,15 @@ class StateStore:
                                  "other format loads through pagedoptim.dcp."
                                  "StateFormatLoadPlanner)")
         given = {key: as_real(self.as_local(p, key, value, where), where)
-                 for key, value in given.items()}
-        numel = state_numel(p)
+                 for key, value in self._in_row_groups(p, given).items()}
+        shape = state_shape(p)
         kept = [s.name for s in self.streams_of(p)]
         converted = []
         for spec in self.streams_of(p):
-            value = state_format.convert_for_stream(spec, self.all_moments(), given, numel)
+            try:
+                value = state_format.convert_for_stream(spec, self.all_moments(), given, shape)
+            except ValueError as error:  # the codec's checks, which cannot name the param
+                raise ValueError(f"{where}: {error}") from None
             if value is None:
                 if complete and spec.name != state_format.RESIDUAL:
                     # no residual saved: the master is the 16-bit weight
@@ -365,7 +396,7 @@ class StateStore:
                 continue
             if spec.name == state_format.RESIDUAL and value.dtype != spec.dtype:
                 value = rescaled_residual(value, spec.dtype, where)
-            expected = state_format.expected_numel(spec, numel)
+            expected = state_format.expected_numel(spec, shape)
             if value.numel() != expected:
                 raise ValueError(f"{where}: '{spec.name}' has {value.numel()} elements, "
                                  f"expected {expected}")
@@ -376,6 +407,43 @@ class StateStore:
                              f"settings keeps {kept} for this param")
         for stream, raw in converted:
             self.engine.write_stream(slot, stream, raw)
+
+    def _in_row_groups(self, p: torch.Tensor, given: dict[str, Any]) -> dict[str, Any]:
+        """`given` with the 8-bit moments of a DTensor param that a checkpoint holds in
+        another group layout (the flat groups of pagedoptim before 0.2, as a shard of the
+        flat scales), or that p now keeps in fp32 (a 1-D param saved 8-bit), made whole
+        first: a rank's part cannot be cut out of groups that its shard cuts, so the whole
+        stream is gathered and decoded to fp32 (or, where the groups are the same, only
+        reshaped), and each rank takes, and encodes, its own part. Every rank loads every
+        param, so the gathers match up. A plain param's are converted by
+        state_format.convert_for_stream."""
+        layout = self.shard_layout(p)
+        if layout is None:
+            return given
+        shape = torch.Size(layout.elements.global_shape)
+        scale_shape = tuple(state_format.group_shape(shape))
+        kept = {spec.name for spec in self.streams_of(p)}
+        for moment in self.all_moments():
+            codes_name, scales_name = f"{moment.name}_codes", f"{moment.name}_scales"
+            codes, scales = given.get(codes_name), given.get(scales_name)
+            if not isinstance(codes, torch.Tensor) or not isinstance(scales, torch.Tensor):
+                continue
+            eight_bit = codes_name in kept
+            if eight_bit and tuple(scales.shape) == scale_shape:
+                continue  # today's layout: sharded like the param
+            codes, scales = (value.full_tensor() if sharded_params.is_dtensor(value) else value
+                             for value in (codes, scales))
+            if codes.numel() != shape.numel():
+                continue  # write_streams names the mismatch
+            given = {key: value for key, value in given.items()
+                     if key not in (codes_name, scales_name)}
+            if (eight_bit and not state_format.is_flat_layout(scales, shape)
+                    and scales.numel() == math.prod(scale_shape)):
+                given[codes_name] = codes.reshape(shape)  # the same groups, flat scales
+                given[scales_name] = scales.reshape(scale_shape)
+            else:
+                given[moment.name] = state_format.decode(moment, codes, scales, shape)
+        return given
 
     @staticmethod
     def check_write_back(keys: list[str]) -> None:
@@ -443,6 +511,11 @@ class StateStore:
                 stream_bytes[state_format.report_field(spec)] += \
                     self.engine.stream_bytes(self._slots[p], spec.name)
         moment_bytes, scale_bytes, residual_bytes = stream_bytes.values()
+        # With state_bits=8, the elements of the params that keep fp32 moments (1-D, small,
+        # complex: state_format.keeps_8bit_state), stepped or not.
+        fp32_state_elements = 0 if self.options.state_bits != 8 else sum(
+            state_numel(p) for p in dict.fromkeys(self.params())
+            if not self.keeps_8bit_state(p))
         step_bytes = STEP_COUNTER_BYTES * sum(1 for value in state_map.values()
                                               if _counts_steps(value))
         state_bytes = page_bytes + step_bytes
@@ -461,6 +534,7 @@ class StateStore:
             "page_bytes": self.page_bytes if self.page_bytes is not None
             else self.options.page_bytes,
             "num_elements": num_elements,
+            "fp32_state_elements": fp32_state_elements,
             "state_bytes_per_param": state_bytes / per_param,
             "total_bytes_per_param": (param_bytes + grad_bytes + state_bytes) / per_param,
         }

@@ -15,8 +15,9 @@ in the checkpoint. Where the checkpoint has the moment in the other format, the 
 puts a tensor of that format in the state dict instead (a DTensor placed as the one it
 replaces, so DCP reshards it); `load_state_dict` then converts with its usual rules. A
 master residual the checkpoint lacks is dropped from the request: the master weight is
-then the 16-bit param, as `load_state_dict` has it. Flat scales of an 8-bit checkpoint
-saved before scales took their param's shape (state_format.group_shape) are asked for flat.
+then the 16-bit param, as `load_state_dict` has it. Scales of an 8-bit checkpoint saved in
+another layout (the flat groups of pagedoptim before 0.2) are asked for as saved, and
+load_state_dict re-groups them in rows (state_format.group_shape, docs/compression.md).
 Everything else loads as with DCP's default planner.
 
 It works on the nested optimizer state dict (DCP's default). With
@@ -28,7 +29,6 @@ the fp32 moments of exact mode, or of `torch_state_dict()`.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import torch
@@ -66,10 +66,9 @@ def retarget_state_formats(state_dict: dict[str, Any], metadata: Metadata) -> No
         if key in saved:
             entry = saved[key]
             if (key.endswith(_SCALES) and _is_tensor(entry)
-                    and not sharded_params.is_dtensor(value)
-                    and tuple(entry.size) != tuple(value.shape)
-                    and math.prod(entry.size) == value.numel()):
-                # load_state_dict takes scales of any shape with the right element count.
+                    and tuple(entry.size) != tuple(value.shape)):
+                # Scales in another layout: load_state_dict converts them (re-grouping the
+                # flat groups of old checkpoints in rows; docs/compression.md).
                 _set(state_dict, path, _empty_like_saved(value, entry, per_group=True))
             continue
         if key.endswith(_CODES):  # 8-bit wanted

@@ -5,7 +5,7 @@ Accepted keys are the optimizer's own keyword arguments that a string can expres
 beta1 / beta2 for its betas. Values:
 
   floats    lr, eps, weight_decay, momentum, dampening, beta1, beta2
-  ints      state_bits, prefetch; master_bits also takes none
+  ints      state_bits, min_8bit_size, prefetch; master_bits also takes none
   bools     amsgrad, maximize, nesterov, release_grads: true/false, 1/0, yes/no, on/off
   sizes     cache_bytes (also none), page_bytes: bytes, with an optional unit
             B, KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB, TB (powers of 1000)
@@ -32,6 +32,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "amsgrad": parse_bool, "maximize": parse_bool, "nesterov": parse_bool,
     "release_grads": parse_bool,
     "state_bits": parse_int, "master_bits": optional(parse_int), "prefetch": parse_int,
+    "min_8bit_size": parse_int,
     "cache_bytes": optional(parse_byte_size), "page_bytes": parse_byte_size,
     "offload": optional(str), "nvme_dir": str, "policy": str,
 }

@@ -6,8 +6,10 @@ whatever per-param entries it is given. Its first step then fails far from the c
 `state.get("momentum_buffer")`, finds none next to our `momentum_buffer_codes`, and starts a
 fresh momentum. Importing pagedoptim registers a global step pre-hook (torch's
 `register_optimizer_step_pre_hook`, run before every optimizer's step) that raises instead,
-naming the conversion. It looks at one param with state per group: a loaded state_dict gives
-every param the same keys, so a step pays a dict lookup per group.
+naming the conversion. It looks at every param with state, up to the first holding our
+state: params of one state_dict differ in format (1-D and small params keep fp32 moments
+beside 8-bit ones, docs/compression.md), so no one param speaks for its group. A step of a
+torch optimizer pays a scan of each param's few state keys (about 0.1 us a key).
 
 Without pagedoptim imported nothing can intercept torch's step; README and
 docs/checkpoints.md name `python -m pagedoptim convert` beside the KeyError.
@@ -67,7 +69,6 @@ def _refuse_pagedoptim_state(optimizer: torch.optim.Optimizer, args: Any, kwargs
                     "or `python -m pagedoptim convert IN OUT --to torch` for a saved file (a "
                     "Trainer checkpoint's optimizer.pt converts in place); or keep stepping it "
                     "with pagedoptim, whose optimizers load it as it is")
-            break
 
 
 def install() -> None:

@@ -35,6 +35,7 @@ class Lion(PagedOptimizer):
         *,
         state_bits: int = 8,
         master_bits: Optional[int] = 24,
+        min_8bit_size: int = state_format.DEFAULT_MIN_8BIT_SIZE,
         offload: Optional[str] = None,
         nvme_dir: Optional[str] = None,
         cache_bytes: Optional[int] = None,
@@ -52,6 +53,7 @@ class Lion(PagedOptimizer):
             type(self).__name__, foreach, fused, capturable, differentiable))
         self._check_group(defaults)
         options = PagingOptions(state_bits=state_bits, master_bits=master_bits,
+                                min_8bit_size=min_8bit_size,
                                 offload=offload, nvme_dir=nvme_dir, cache_bytes=cache_bytes,
                                 page_bytes=page_bytes, prefetch=prefetch, policy=policy,
                                 release_grads=release_grads)

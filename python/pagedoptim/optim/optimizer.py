@@ -592,7 +592,9 @@ class PagedOptimizer(torch.optim.Optimizer):
         state holds: all of it, or the page cache when paged), 'pinned_host' (page-locked
         host memory under a GPU cache), 'host' (host memory: all of it, or the cache of a
         paged CPU state), 'host_tier' and 'nvme' (the tier below a CPU cache, the page
-        file). SkewAdam adds 'factor_bytes', 'tiers' and 'params'
+        file). 'fp32_state_elements': with state_bits=8, the elements of the params that keep
+        fp32 moments (1-D, fewer than min_8bit_size elements, complex; docs/compression.md).
+        SkewAdam adds 'factor_bytes', 'tiers' and 'params'
         (pagedoptim/optim/skewadam_store.py).
         """
         return self._store.memory_report(self.state)

@@ -89,6 +89,7 @@ class SkewAdam(PagedOptimizer):
         names_from: Optional[torch.nn.Module] = None,
         state_bits: int = 8,
         master_bits: Optional[int] = 24,
+        min_8bit_size: int = state_format.DEFAULT_MIN_8BIT_SIZE,
         offload: Optional[str] = None,
         nvme_dir: Optional[str] = None,
         cache_bytes: Optional[int] = None,
@@ -108,6 +109,7 @@ class SkewAdam(PagedOptimizer):
         self._tier_patterns = compile_tier_patterns(tiers)
         self._model_names = names_by_param(names_from)
         options = PagingOptions(state_bits=state_bits, master_bits=master_bits,
+                                min_8bit_size=min_8bit_size,
                                 offload=offload, nvme_dir=nvme_dir, cache_bytes=cache_bytes,
                                 page_bytes=page_bytes, prefetch=prefetch, policy=policy,
                                 release_grads=release_grads)

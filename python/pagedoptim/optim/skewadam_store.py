@@ -83,7 +83,7 @@ class SkewAdamStore(StateStore):
 
     # -- the layout of the pages -----------------------------------------------------------
 
-    def build_stream_kinds(self) -> list[list[StreamSpec]]:
+    def layout_kinds(self) -> list[list[StreamSpec]]:
         first, second = self.all_moments()
         momentum = state_format.moment_streams(first, self.options.state_bits)
         exact = StreamSpec(second.name, 4 * state_format.GROUP_SIZE, False, torch.float32)
@@ -96,19 +96,19 @@ class SkewAdamStore(StateStore):
         kinds.append([StreamSpec(FACTORS, 4 * state_format.GROUP_SIZE, False, torch.float32)])
         return kinds
 
-    def kind_of(self, p: torch.Tensor) -> int:
+    def layout_kind_of(self, p: torch.Tensor) -> int:
         layout = self.layout(p)
         index = _ELEMENT_LAYOUTS.index((layout.momentum, not layout.factored))
         with_residual = (self.options.master_bits is not None
                          and p.dtype in LOW_PRECISION_DTYPES)
         return 2 * index + int(with_residual)
 
-    def planned_state(self) -> list[tuple[int, int]]:
+    def planned_state(self) -> list[tuple[int, int, int]]:
         planned = super().planned_state()
         for p in dict.fromkeys(self.params()):
             layout = self.layout(p)
             if layout.factored:
-                planned.append((FACTOR_KIND, layout.factor_numel))
+                planned.append((FACTOR_KIND, layout.factor_numel, 0))
         return planned
 
     def slot(self, p: torch.Tensor) -> int:
@@ -125,12 +125,13 @@ class SkewAdamStore(StateStore):
     def factor_slot_of(self, p: torch.Tensor) -> int:
         return self._factor_slots.get(p, -1) if self.engine is not None else -1
 
-    def checkpoint_slots(self, p: torch.Tensor) -> list[tuple[str, int, int, list[StreamSpec]]]:
+    def checkpoint_slots(self, p: torch.Tensor
+                         ) -> list[tuple[str, int, int, list[StreamSpec], int]]:
         slots = super().checkpoint_slots(p)
         factor_slot = self.factor_slot_of(p)
         if factor_slot >= 0:
             slots.append(("factors", factor_slot, self.layout(p).factor_numel,
-                          self._kinds[FACTOR_KIND]))
+                          self._kinds[FACTOR_KIND], 0))
         return slots
 
     def batch_layout(self, p: torch.Tensor) -> tuple[int, int, int, int, bool]:

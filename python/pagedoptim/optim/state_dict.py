@@ -79,7 +79,7 @@ def as_torch_format(opt: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
             tensor = state_format.convert_for_stream(
                 spec, moments, {k: as_real(store.as_local(p, k, v, moment.name), moment.name)
                                 for k, v in value.items() if isinstance(v, torch.Tensor)},
-                state_numel(p))
+                state_shape(p))
             if tensor is not None:
                 tensor = tensor.reshape(state_shape(p))
                 if p.is_complex():

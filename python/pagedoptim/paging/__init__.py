@@ -153,7 +153,7 @@ def _page_layout_bytes(streams: list[Any], groups: int) -> int:
 
 
 def choose_page_bytes(options: PagingOptions, store: Optional[dict], kinds: list[list[Any]],
-                      planned: list[tuple[int, int]]) -> int:
+                      planned: list[tuple[int, int, int]]) -> int:
     """The page size: page_bytes when given; otherwise the 4 KiB multiple, at most
     DEFAULT_PAGE_BYTES and for paged state at most 1/MIN_CACHE_PAGES of the cache, that lays
     the state out in the fewest bytes, each page charged PAGE_OVERHEAD_CHARGE besides its
@@ -162,12 +162,17 @@ def choose_page_bytes(options: PagingOptions, store: Optional[dict], kinds: list
     2 MiB; several kinds of unequal size (SkewAdam's tiers) share a page size that fits the
     small ones, instead of each small kind filling a page sized for the largest.
 
-    kinds: the stream specs of each page kind; planned: (kind, elements) per param."""
+    kinds: the stream specs of each page kind; planned: (kind, elements, row length) per
+    param."""
     if options.page_bytes is not None:
         return options.page_bytes
     groups = [0] * len(kinds)
-    for kind, numel in planned:
-        groups[kind] += -(-numel // GROUP_SIZE)
+    for kind, numel, row in planned:
+        # The page slots a param takes: one per group, every row's last possibly partial
+        # where the kind has per-group streams (page_table.h), else in flat order.
+        rows_matter = any(spec.per_group for spec in kinds[kind])
+        groups[kind] += (int(native.count_groups(numel, row)) if rows_matter
+                         else -(-numel // GROUP_SIZE))
     largest = DEFAULT_PAGE_BYTES
     if store is not None:
         per_page = store["cache_bytes"] // MIN_CACHE_PAGES
@@ -178,7 +183,7 @@ def choose_page_bytes(options: PagingOptions, store: Optional[dict], kinds: list
     if len(candidates) <= 1:
         return candidates.pop() if candidates else PAGE_ALIGNMENT
     native_kinds = [[spec.as_native() for spec in kind] for kind in kinds]
-    params = [(numel, kind) for kind, numel in planned]
+    params = [(numel, kind, row) for kind, numel, row in planned]
 
     def cost(page: int) -> tuple[int, int]:
         pages = int(native.count_pages(native_kinds, page, params))

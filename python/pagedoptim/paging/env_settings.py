@@ -100,6 +100,7 @@ _SETTINGS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "CACHE_BYTES": ("cache_bytes", _parse_size),
     "STATE_BITS": ("state_bits", _choice(8, 32)),
     "MASTER_BITS": ("master_bits", _choice(24, 32, None)),
+    "MIN_8BIT_SIZE": ("min_8bit_size", _parse_int),
     "PAGE_BYTES": ("page_bytes", _parse_size),
     "PREFETCH": ("prefetch", _parse_int),
     "POLICY": ("policy", _choice("auto", "lru", "plan")),

@@ -13,6 +13,7 @@ from typing import Optional
 
 from pagedoptim._validation import check_non_negative
 from pagedoptim.paging.setting_text import parse_byte_size
+from pagedoptim.state.format import DEFAULT_MIN_8BIT_SIZE
 
 PAGE_ALIGNMENT = 4096  # O_DIRECT and the native geometry need pages of whole 4 KiB
 _POLICIES = ("auto", "lru", "plan")
@@ -23,6 +24,9 @@ _OFFLOAD_TIERS = (None, "host", "nvme")
 class PagingOptions:
     state_bits: int = 8
     master_bits: Optional[int] = 24
+    # With state_bits=8, params of fewer elements (and 1-D and complex ones) keep fp32 moments
+    # (state/format.py, keeps_8bit_state).
+    min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE
     offload: Optional[str] = None
     nvme_dir: Optional[str] = None
     cache_bytes: Optional[int] = None
@@ -51,6 +55,10 @@ class PagingOptions:
             object.__setattr__(self, "nvme_dir", os.path.expanduser(os.fspath(self.nvme_dir)))
         if self.state_bits not in (8, 32):
             raise ValueError(f"Invalid state_bits: {self.state_bits!r} (expected 32 or 8)")
+        if isinstance(self.min_8bit_size, bool) or not isinstance(self.min_8bit_size, int) \
+                or self.min_8bit_size < 0:
+            raise ValueError(f"Invalid min_8bit_size: {self.min_8bit_size!r} (expected an int "
+                             ">= 0: the fewest elements a param keeps 8-bit moments for)")
         if self.master_bits not in (None, 24, 32):
             raise ValueError(f"Invalid master_bits: {self.master_bits!r} "
                              "(expected None, 24 or 32)")

@@ -48,12 +48,11 @@ class StatePlan:
         return dataclasses.asdict(self)
 
 
-def _stream_payload(spec: state_format.StreamSpec, numel: int) -> int:
-    """What StreamSpec::bytes_for sums to over a param's segments: segments end on group
-    boundaries, so only the param's last group can be partial."""
-    groups = -(-numel // state_format.GROUP_SIZE)
+def _stream_payload(spec: state_format.StreamSpec, numel: int, row_length: int) -> int:
+    """What StreamSpec::bytes_for sums to over a param's segments: one scale per group of a
+    row (native.count_groups, the page table's count), one element per element."""
     if spec.per_group:
-        return groups * spec.bytes_per_group
+        return int(native.count_groups(numel, row_length)) * spec.bytes_per_group
     return numel * spec.bytes_per_group // state_format.GROUP_SIZE
 
 
@@ -80,17 +79,17 @@ def plan_state(store: Any, device: torch.device | str) -> StatePlan:
     device = torch.device(device)
     options = store.options
     kinds = store.stream_kinds()
-    planned = store.planned_state()  # (kind, elements) per distinct param
+    planned = store.planned_state()  # (kind, elements, row length) per distinct param
     store = paging.store_options(options)
     page_bytes = paging.choose_page_bytes(options, store, kinds, planned)
     native_kinds = [[spec.as_native() for spec in kind] for kind in kinds]
     num_pages = int(native.count_pages(native_kinds, page_bytes,
-                                       [(numel, kind) for kind, numel in planned]))
+                                       [(numel, kind, row) for kind, numel, row in planned]))
 
     stream_bytes = {"moment_bytes": 0, "scale_bytes": 0, "residual_bytes": 0}
-    for kind, numel in planned:
+    for kind, numel, row in planned:
         for spec in kinds[kind]:
-            stream_bytes[state_format.report_field(spec)] += _stream_payload(spec, numel)
+            stream_bytes[state_format.report_field(spec)] += _stream_payload(spec, numel, row)
     moment_bytes, scale_bytes, residual_bytes = stream_bytes.values()
     all_pages = num_pages * page_bytes
     # Every stepped param counts its steps, plain SGD's too (out of sight of state[p]).

@@ -20,10 +20,13 @@ Scalars (beta1, 1 - beta1, lr / bias correction, ...) are computed in Python flo
 and rounded to fp32 once, as make_*_scalars does in C++.
 
 Formats (state_dict()['state'][i] of the optimizers uses the same names):
-  first moment X:   'X_codes' int8 (param shape), 'X_scales' fp16 [ceil(n / 32)]
+  first moment X:   'X_codes' int8 (param shape), 'X_scales' fp16 [..., ceil(d / 32)] (one per
+                    group of 32 elements of a row of the last dimension d; a row ends in a
+                    partial group where d % 32 != 0; a 1-D tensor is one row)
   second moment X:  'X_codes' uint8 codes of sqrt(v), 'X_scales' fp16
   master residual:  'master_residual' int8 (master_bits=24) or int16 (master_bits=32)
-  fp32 state (state_bits=32): 'X' fp32 (param shape)
+  fp32 state (state_bits=32, and with state_bits=8 for params of one dimension, fewer than
+  min_8bit_size elements or complex values): 'X' fp32 (param shape)
 """
 
 from __future__ import annotations
@@ -172,21 +175,48 @@ def decode_second_moment_groups(code: torch.Tensor, scale: torch.Tensor,
 
 # ---------------------------------------------------------------------------------------------
 # Codecs on tensors of any shape, in the stored format: codes (int8 / uint8, the values' shape)
-# and scales (fp16, one per group of 32 consecutive elements of the flattened tensor).
+# and scales (fp16, one per group of 32 consecutive elements of a row of the last dimension,
+# shaped `group_shape`).
+
+DEFAULT_MIN_8BIT_SIZE = 4096
+
 
 def num_groups(numel: int) -> int:
     return (numel + GROUP_SIZE - 1) // GROUP_SIZE
 
 
+def group_shape(shape: torch.Size) -> torch.Size:
+    """The scales' shape of state shaped `shape`: the last dimension d becomes ceil(d / 32);
+    a tensor of fewer than two dimensions is one row."""
+    if len(shape) >= 2:
+        return torch.Size([*shape[:-1], num_groups(shape[-1])])
+    return torch.Size([num_groups(math.prod(shape))])
+
+
+def keeps_8bit_state(param: torch.Tensor, min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE) -> bool:
+    """Whether state_bits=8 gives `param` 8-bit moments: two or more dimensions, at least
+    min_8bit_size elements, real."""
+    return param.dim() >= 2 and param.numel() >= min_8bit_size and not param.is_complex()
+
+
+def _rows(shape: torch.Size) -> tuple[int, int]:
+    """(rows, row length) of a tensor shaped `shape`."""
+    if len(shape) >= 2:
+        return math.prod(shape[:-1]), int(shape[-1])
+    return 1, math.prod(shape)
+
+
 def _to_groups(values: torch.Tensor) -> torch.Tensor:
-    flat = values.detach().reshape(-1).to(torch.float32)
-    padded = torch.zeros(num_groups(flat.numel()) * GROUP_SIZE, dtype=torch.float32)
-    padded[: flat.numel()] = flat
+    """[groups, 32]: each row of the last dimension padded with zeros to whole groups."""
+    rows, length = _rows(values.shape)
+    padded = torch.zeros(rows, num_groups(length) * GROUP_SIZE, dtype=torch.float32)
+    padded[:, :length] = values.detach().reshape(rows, length).to(torch.float32)
     return padded.view(-1, GROUP_SIZE)
 
 
 def _from_groups(grouped: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return grouped.reshape(-1)[: like.numel()].view(like.shape)
+    rows, length = _rows(like.shape)
+    return grouped.reshape(rows, -1)[:, :length].reshape(like.shape)
 
 
 def _group_scales(scales: torch.Tensor) -> torch.Tensor:
@@ -196,7 +226,7 @@ def _group_scales(scales: torch.Tensor) -> torch.Tensor:
 def encode_moment(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes, scales = encode_moment_groups(_to_groups(values))
     return (_from_groups(codes, values).to(torch.int8),
-            scales.view(-1).to(torch.float16))
+            scales.view(group_shape(values.shape)).to(torch.float16))
 
 
 def decode_moment(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -207,7 +237,7 @@ def decode_moment(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def encode_second_moment(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes, scales = encode_second_moment_groups(_to_groups(values))
     return (_from_groups(codes, values).to(torch.uint8),
-            scales.view(-1).to(torch.float16))
+            scales.view(group_shape(values.shape)).to(torch.float16))
 
 
 def decode_second_moment(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -397,17 +427,19 @@ _SECOND_MOMENTS = {"exp_avg_sq", "max_exp_avg_sq"}
 
 
 def init_state(param: torch.Tensor, moments: list[str], state_bits: int = 8,
-               master_bits: Optional[int] = 24) -> dict[str, torch.Tensor]:
-    """The state a parameter's pages start with: zero codes and scales (or zero fp32 moments),
-    a zero residual (the master is the 16-bit weight), step 0."""
+               master_bits: Optional[int] = 24,
+               min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE) -> dict[str, torch.Tensor]:
+    """The state a parameter's pages start with: zero codes and scales (or zero fp32 moments:
+    state_bits=32, or a param that keeps_8bit_state says keeps fp32 moments), a zero
+    residual (the master is the 16-bit weight), step 0."""
     state: dict[str, torch.Tensor] = {"step": torch.tensor(0.0)}
     for name in moments:
-        if state_bits == 32:
+        if state_bits == 32 or not keeps_8bit_state(param, min_8bit_size):
             state[name] = torch.zeros(param.shape, dtype=torch.float32)
         else:
             codes = torch.uint8 if name in _SECOND_MOMENTS else torch.int8
             state[f"{name}_codes"] = torch.zeros(param.shape, dtype=codes)
-            state[f"{name}_scales"] = torch.zeros(num_groups(param.numel()),
+            state[f"{name}_scales"] = torch.zeros(group_shape(param.shape),
                                                   dtype=torch.float16)
     if master_bits is not None and param.dtype in (torch.bfloat16, torch.float16):
         state[RESIDUAL] = torch.zeros(param.shape, dtype=RESIDUAL_DTYPE[master_bits])
@@ -509,13 +541,15 @@ class ReferenceAdamW(torch.optim.Optimizer):
     """AdamW on the reference 8-bit state, as a torch optimizer (slow; for measurements).
 
     `v_floor=False` is the variant the native optimizer does not offer: code 0 of v decodes to
-    0 in the denominator."""
+    0 in the denominator. `min_8bit_size` as the optimizers' (keeps_8bit_state)."""
 
     def __init__(self, params: Any, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, state_bits: int = 8,
-                 master_bits: Optional[int] = 24, v_floor: bool = True) -> None:
+                 master_bits: Optional[int] = 24, v_floor: bool = True,
+                 min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE) -> None:
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.state_bits, self.master_bits, self.v_floor = state_bits, master_bits, v_floor
+        self.min_8bit_size = min_8bit_size
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -529,7 +563,7 @@ class ReferenceAdamW(torch.optim.Optimizer):
                     continue
                 if not self.state[p]:
                     self.state[p] = init_state(p, ["exp_avg", "exp_avg_sq"], self.state_bits,
-                                               self.master_bits)
+                                               self.master_bits, self.min_8bit_size)
                 adamw_step(p, p.grad, self.state[p], lr=float(group["lr"]),
                            betas=group["betas"], eps=group["eps"],
                            weight_decay=group["weight_decay"], v_floor=self.v_floor)

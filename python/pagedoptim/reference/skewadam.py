@@ -4,9 +4,10 @@ skewadam_rules.h, written with tensor ops on fp32 state, one parameter at a time
 
 `momentum_codec` emulates the 8-bit momentum: a pair (encode, decode) applied to the
 momentum after every update (pagedoptim._C.encode_moment / decode_moment for the kernels'
-companding). `factor_floor` switches the epsilon to the alternative that docs/skewadam.md
-measures: no eps on g^2, and the row and column means (and exact second moments) floored
-at `factor_floor` instead.
+companding; both take the row length its groups follow), for the params that keep 8-bit
+moments (`min_8bit_size`, as the optimizer's). `factor_floor` switches the epsilon to the
+alternative that docs/skewadam.md measures: no eps on g^2, and the row and column means (and
+exact second moments) floored at `factor_floor` instead.
 The master residual of bf16 parameters is not modelled: parameters are updated in fp32.
 """
 
@@ -17,7 +18,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from pagedoptim.reference import power_of
+from pagedoptim.reference import DEFAULT_MIN_8BIT_SIZE, keeps_8bit_state, power_of
 from pagedoptim.optim.skewadam_store import ParamLayout, layout_of
 from pagedoptim.optim.tiers import check_tier
 
@@ -27,10 +28,12 @@ class SkewAdamReference:
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-30,
                  weight_decay: float = 0.0,
                  momentum_codec: Optional[tuple[Callable, Callable]] = None,
-                 factor_floor: Optional[float] = None) -> None:
+                 factor_floor: Optional[float] = None,
+                 min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE) -> None:
         self.params = [(p, layout_of(p, check_tier(tier))) for p, tier in params_and_tiers]
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.momentum_codec = momentum_codec
+        self.min_8bit_size = min_8bit_size
         self.factor_floor = factor_floor
         self.state: dict[torch.Tensor, dict[str, Any]] = {}
 
@@ -98,14 +101,15 @@ class SkewAdamReference:
                          beta1: float) -> torch.Tensor:
         m = state.setdefault("exp_avg", torch.zeros_like(value))
         m.lerp_(value, _f32(1.0 - beta1))
-        if self.momentum_codec is None:
+        if self.momentum_codec is None or not keeps_8bit_state(m, self.min_8bit_size):
             return m
         # The update uses the momentum before it is re-encoded (the kernels hold it in
         # registers); the state keeps the decoded codes.
         used = m.clone()
         encode, decode = self.momentum_codec
-        codes, scales = encode(m.reshape(-1).contiguous())
-        m.copy_(decode(codes, scales).reshape(m.shape))
+        row_length = m.shape[-1] if m.dim() >= 2 else 0
+        codes, scales = encode(m.reshape(-1).contiguous(), row_length)
+        m.copy_(decode(codes, scales, row_length).reshape(m.shape))
         return used
 
 

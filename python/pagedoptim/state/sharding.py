@@ -7,12 +7,15 @@ as the same elements of the unsharded param's state would be (docs/distributed.m
 
 * element streams (fp32 moments, 8-bit codes, master residuals) are shaped like the param,
   so their shard is the param's shard;
-* per-group streams (the fp16 scale of each group of 32 elements, groups in flat element
-  order) have the shape `state_format.group_shape`: the param's with the last dimension
-  divided by 32 where it divides (groups then never cross a row of the last dimension),
-  else flat. A shard's state is the shard of the global state only where the shard holds
-  whole groups; `ShardLayout.scales` checks that and raises otherwise, because a scale
-  computed over part of a group would silently change the result.
+* per-group streams (the fp16 scale of each group of 32 elements of a row of the last
+  dimension) have the shape `state_format.group_shape`: the param's with the last dimension
+  d replaced by ceil(d / 32). A shard along any dimension but the last holds whole groups
+  whatever the shapes and the world size (FSDP2's Shard(0) on 3 ranks included), and its
+  scales are the same shard of the global scales. A shard along the last dimension
+  (tensor parallelism's Shard(1) of a Linear weight) holds whole groups only where it is cut
+  at a multiple of 32; `ShardLayout.scales` checks every rank's shard and raises otherwise,
+  because a scale computed over part of a group would silently change the result. (Params
+  of one dimension keep fp32 moments: state_format.keeps_8bit_state.)
 
 state_dict() hands the state out as DTensors with the param's mesh and placements (the
 scales' placements follow from their shape), so DCP saves, gathers (full_state_dict) and
@@ -134,38 +137,33 @@ def box_at(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], placement
 
 def group_placements(placements: tuple, natural: bool) -> tuple:
     """The placements of a per-group stream: the param's where the scales have its shape
-    (state_format.group_shape), else every Shard along the flat scales' only dim."""
+    (state_format.group_shape; every param of two or more dimensions), else every Shard
+    along the flat scales' only dim (the flat scales of old checkpoints)."""
     if natural:
         return placements
     from torch.distributed.tensor import Shard
     return tuple(Shard(0) if isinstance(pl, Shard) else pl for pl in placements)
 
 
-def _groups_of(elements: Box, natural: bool) -> Optional[Box]:
-    """The groups of 32 that a shard of the elements holds, as a box of the scales; None
-    where the shard cuts a group."""
+def _groups_of(elements: Box) -> Optional[Box]:
+    """The groups of 32 that a shard of the elements holds, as a box of the scales
+    (groups run along the rows of the last dimension); None where the shard cuts a group:
+    a cut of the last dimension off a multiple of 32, short of the row's end."""
     scale_shape = tuple(group_shape(torch.Size(elements.global_shape)))
     if elements.numel == 0:
         return Box(scale_shape, (0,) * len(scale_shape), (0,) * len(scale_shape))
-    if natural:  # groups run along the last dimension, never across its rows
-        if elements.offset[-1] % GROUP_SIZE or elements.local_shape[-1] % GROUP_SIZE:
-            return None
-        return Box(scale_shape,
-                   (*elements.local_shape[:-1], elements.local_shape[-1] // GROUP_SIZE),
-                   (*elements.offset[:-1], elements.offset[-1] // GROUP_SIZE))
-    # Flat groups: the shard must be one run of whole groups in flat element order.
-    start = sum(o * s for o, s in zip(elements.offset, contiguous_strides(elements.global_shape)))
-    end, total = start + elements.numel, math.prod(elements.global_shape)
-    if not _is_one_run(elements) or start % GROUP_SIZE or (end % GROUP_SIZE and end != total):
+    if len(elements.global_shape) < 2:  # one row: only a shard of whole groups keeps them
+        (start,), (count,), (total,) = (elements.offset, elements.local_shape,
+                                        elements.global_shape)
+    else:
+        start, count, total = (elements.offset[-1], elements.local_shape[-1],
+                               elements.global_shape[-1])
+    end = start + count
+    if start % GROUP_SIZE or (end % GROUP_SIZE and end != total):
         return None
-    return Box(scale_shape, (-(-end // GROUP_SIZE) - start // GROUP_SIZE,),
-               (start // GROUP_SIZE,))
-
-
-def _is_one_run(box: Box) -> bool:
-    """Whether the box is one contiguous range of the global tensor in row-major order."""
-    cut = [d for d, (n, g) in enumerate(zip(box.local_shape, box.global_shape)) if n != g]
-    return not cut or all(box.local_shape[d] == 1 for d in range(cut[-1]))
+    first, last = start // GROUP_SIZE, -(-end // GROUP_SIZE)
+    return Box(scale_shape, (*elements.local_shape[:-1], last - first),
+               (*elements.offset[:-1], first))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,8 +195,7 @@ class ShardLayout:
                     "along Shard and Replicate placements only (use state_bits=32 for "
                     "others)")
         shape = self.elements.global_shape
-        natural = len(group_shape(torch.Size(shape))) == len(shape) > 1
-        placements = group_placements(self.placements, natural)
+        placements = group_placements(self.placements, natural=len(shape) > 1)
         scale_shape = tuple(group_shape(torch.Size(shape)))
         mesh_shape = tuple(self.mesh.shape)
         # Every rank's shard, not only this one's: a verdict from the local shard alone
@@ -207,7 +204,7 @@ class ShardLayout:
                    for n, pl in zip(mesh_shape, self.placements)]
         for coordinate in itertools.product(*sharded):
             elements = box_at(shape, mesh_shape, self.placements, coordinate)
-            groups = _groups_of(elements, natural)
+            groups = _groups_of(elements)
             scales = box_at(scale_shape, mesh_shape, placements, coordinate)
             holds_its_groups = groups is not None and (
                 groups.numel == scales.numel == 0
@@ -218,8 +215,8 @@ class ShardLayout:
                         f"{elements.offset} of {shape}) does not hold whole groups of "
                         f"{GROUP_SIZE} elements, which share one 8-bit scale: its 8-bit "
                         "state would differ from the unsharded param's. Use "
-                        "state_bits=32, or shard it so that each shard's last dimension "
-                        f"(the length of a 1-D param) is a multiple of {GROUP_SIZE}")
+                        "state_bits=32, or shard its last dimension at multiples of "
+                        f"{GROUP_SIZE} (a Shard of any other dimension keeps whole groups)")
         coordinate = tuple(self.mesh.get_coordinate())
         if box_at(shape, mesh_shape, self.placements, coordinate) != self.elements:
             return (f"has a local shard {self.elements.local_shape} at "

@@ -126,6 +126,78 @@ TEST(PageTable, KindsNeverSharePages) {
   EXPECT_THROW(table.add_param(10, 2), std::out_of_range);
 }
 
+PageGeometry companded_geometry(int64_t page_bytes) {
+  return PageGeometry({{"exp_avg_codes", 32}, {"exp_avg_scales", 2, true}}, page_bytes);
+}
+
+// The elements each segment of `slot` holds, in element order: [param_offset, count).
+std::vector<std::pair<int64_t, int64_t>> segments_of(const PageTable& table, int32_t slot) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (const PagePiece& piece : table.param(slot).pieces) {
+    out.emplace_back(table.segment(piece).param_offset, table.segment(piece).count);
+  }
+  return out;
+}
+
+TEST(PageTable, RowsThatEndInPartialGroupsAreSegmentsOfTheirOwn) {
+  PageTable table({companded_geometry(4096)});
+  // A (3, 40) param: each row is one full group and a partial one of 8.
+  const int32_t slot = table.add_param(120, 0, 40);
+  EXPECT_EQ(table.param(slot).row_length, 40);
+  const std::vector<std::pair<int64_t, int64_t>> expected = {{0, 40}, {40, 40}, {80, 40}};
+  EXPECT_EQ(segments_of(table, slot), expected);
+  // Each row starts a group: page offsets 0, 64, 128 (two group slots a row).
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(table.segment(table.param(slot).pieces[size_t(i)]).page_offset, 64 * i);
+  }
+  EXPECT_EQ(table.page(0).used_groups, 6);
+  EXPECT_EQ(PageTable::groups_of(120, 40), 6);
+  EXPECT_EQ(PageTable::groups_of(120, 0), 4);  // flat: ceil(120 / 32)
+  const StreamSpec& scales = table.geometry().streams()[1];
+  int64_t scale_bytes = 0;
+  for (const PagePiece& piece : table.param(slot).pieces) {
+    scale_bytes += scales.bytes_for(table.segment(piece).count);
+  }
+  EXPECT_EQ(scale_bytes, 6 * 2);  // one fp16 scale per group, rows x ceil(40 / 32)
+}
+
+TEST(PageTable, RowsOfWholeGroupsAndFlatStateAreNotCut) {
+  PageTable table({companded_geometry(4096), adamw_geometry(4096)});
+  EXPECT_EQ(table.add_param(128, 0, 64), 0);  // rows end on group boundaries
+  EXPECT_EQ(table.param(0).pieces.size(), 1u);
+  EXPECT_EQ(table.param(0).row_length, 0);
+  EXPECT_EQ(table.add_param(120, 1, 40), 1);  // fp32 state: no groups to keep whole
+  EXPECT_EQ(table.param(1).pieces.size(), 1u);
+  EXPECT_EQ(table.add_param(40, 0, 40), 2);   // one row
+  EXPECT_EQ(table.param(2).pieces.size(), 1u);
+  EXPECT_THROW(table.add_param(120, 0, 50), std::invalid_argument);
+  EXPECT_THROW(table.add_param(120, 0, -1), std::invalid_argument);
+}
+
+TEST(PageTable, RowsLongerThanAPageAreCutAtGroupsAndStartTheNextRowAfresh) {
+  PageTable table({companded_geometry(4096)});
+  const int64_t capacity = table.geometry().capacity_groups();
+  const int64_t row = (capacity + 2) * kGroupSize - 7;  // capacity + 2 groups, the last partial
+  const int32_t slot = table.add_param(2 * row, 0, row);
+  int64_t groups = 0, elements = 0;
+  for (const PagePiece& piece : table.param(slot).pieces) {
+    const Segment& segment = table.segment(piece);
+    // No segment crosses a row; each starts on a group of its row.
+    EXPECT_EQ(segment.param_offset / row, (segment.param_offset + segment.count - 1) / row);
+    EXPECT_EQ(segment.param_offset % row % kGroupSize, 0);
+    EXPECT_EQ(segment.page_offset % kGroupSize, 0);
+    EXPECT_EQ(segment.param_offset, elements);
+    elements += segment.count;
+    groups += (segment.count + kGroupSize - 1) / kGroupSize;
+  }
+  EXPECT_EQ(elements, 2 * row);
+  EXPECT_EQ(groups, 2 * (capacity + 2));
+  EXPECT_EQ(groups, PageTable::groups_of(2 * row, row));
+  int64_t used = 0;
+  for (int32_t p = 0; p < table.num_pages(); ++p) used += table.page(p).used_groups;
+  EXPECT_EQ(used, groups);
+}
+
 TEST(HostPageStore, PagesAreAlignedZeroedAndPinCounted) {
   HostPageStore store(8192);
   store.grow(3);
