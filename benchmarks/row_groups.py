@@ -75,7 +75,7 @@ def measure(name: str, shapes: list[tuple[int, ...]], dtype: torch.dtype = torch
     flat_bytes = flat_pages * plan.page_bytes + plan.step_bytes
     rows_bytes = plan.state_bytes
     return {"model": name, "params": numel, "page_bytes": plan.page_bytes,
-            "fp32_state_params": sum(math.prod(s) for s in shapes if len(s) < 2),
+            "fp32_state_params": sum(p.numel() for p in params if not store.keeps_8bit_state(p)),
             "rows_state_bytes_per_param": rows_bytes / numel,
             "flat_state_bytes_per_param": flat_bytes / numel,
             "ratio": rows_bytes / flat_bytes}

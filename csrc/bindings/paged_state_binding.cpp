@@ -529,7 +529,15 @@ void bind_paged_state(pybind11::module_& m) {
         py::arg("params"),
         "Pages PagedState would lay out for params given as (numel, kind, row_length), each "
         "kind's streams as (name, bytes per group of 32, per_group); nothing is allocated.");
-  m.def("count_groups", &paging::PageTable::groups_of, py::arg("numel"), py::arg("row_length"),
+  m.def("count_groups",
+        [](int64_t numel, int64_t row_length) {
+          TORCH_CHECK_VALUE(numel >= 0, "numel must be >= 0, got ", numel);
+          TORCH_CHECK_VALUE(row_length >= 0 && (row_length == 0 || numel % row_length == 0),
+                            "row_length must be >= 0 and divide numel (", numel, "), got ",
+                            row_length);
+          return paging::PageTable::groups_of(numel, row_length);
+        },
+        py::arg("numel"), py::arg("row_length"),
         "Groups of 32 a param of numel elements in rows of row_length (0: one row) has, every "
         "row's last group possibly partial: what its per-group streams hold.");
 }

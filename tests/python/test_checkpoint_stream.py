@@ -286,6 +286,9 @@ def bad_files(path):
                                                       lambda h: h.update(version=3)),
         "header lies about a size": rewrite_header(
             data, length, lambda h: h["params"][0]["slots"][0].update(numel=10 ** 9)),
+        # Refused from the slots' sizes, before 2^42 records would be counted one by one.
+        "header claims a huge slot": rewrite_header(
+            data, length, lambda h: h["params"][0]["slots"][0].update(numel=33 << 42)),
         "header is not JSON": data[:16] + b"{" * length + data[16 + length:],
     }
     return cases

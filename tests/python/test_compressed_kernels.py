@@ -26,12 +26,14 @@ from optimizer_configs import configs, parametrize
 STEPS = 6
 PAGE_BYTES = 4096  # a 2100-element AdamW state spans two pages, 9000 elements five
 # Groups follow the rows of the last dimension: one row with a partial last group (1, 33),
-# rows that are one partial group each (5, 13), (3, 31, 3), rows of a full and a partial
+# rows that are one partial group each (5, 13), (3, 3, 13), rows of a full and a partial
 # group (3, 40), exactly one group (1, 32), one row spanning 4 KiB pages (1, 2100), rows
 # ending in partial groups across pages (9, 1000); in one optimizer, so that params share
-# pages too. With min_8bit_size=0 every param of two or more dimensions keeps 8-bit state;
-# the 0-dim and the 1-D ones keep fp32 moments beside them (state_format.keeps_8bit_state).
-SHAPES = [(1, 33), (), (5, 13), (1, 32), (3, 31, 3), (3, 40), (1, 2100), (9, 1000), (33,)]
+# pages too. With min_8bit_size=0 these keep 8-bit state; the 0-dim, the 1-D and the rows of
+# 3 (3, 31, 3), too short for 8 bits to save bytes, keep fp32 moments beside them
+# (state_format.keeps_8bit_state).
+SHAPES = [(1, 33), (), (5, 13), (1, 32), (3, 3, 13), (3, 31, 3), (3, 40), (1, 2100),
+          (9, 1000), (33,)]
 MIN_8BIT_SIZE = 0
 
 # The configurations that reach every branch of the AdamW, SGD and Lion kernels

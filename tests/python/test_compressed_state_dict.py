@@ -64,8 +64,9 @@ def expected_stream_keys(config, p, master_bits):
     """The 8-bit state_dict keys of param p under `config`: each moment's codes and scales;
     SkewAdam's per tier (docs/skewadam.md): momentum but in the experts tier, the second
     moment factored into row and column means for matrices outside the router tier, else
-    exact (fp32 in every format). Params of fewer than two dimensions keep fp32 moments."""
-    eight_bit = p.dim() >= 2
+    exact (fp32 in every format). Params of fewer than two dimensions, and rows too short for
+    8 bits to save bytes ((3, 31, 3): rows of 3), keep fp32 moments."""
+    eight_bit = reference.keeps_8bit_state(p, min_8bit_size=0)
     if config.algorithm == "skewadam":
         tier = "experts" if p.dim() == 3 else "backbone"
         keys = (set() if tier == "experts" else

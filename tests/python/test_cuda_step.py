@@ -343,10 +343,10 @@ def _format_id(fmt) -> str:
 
 
 # A 0-dim and a 1-D param (fp32 moments in every format), rows off and on the group size
-# (one row of 33; rows of 48, 3 and 100: rows that end in partial groups, each a page
+# (one row of 33; rows of 48, 13 and 100: rows that end in partial groups, each a page
 # segment of its own), and one row of many groups (several pages at 16 KiB, one shared 2 MiB
 # page otherwise). MIN_8BIT_SIZE: every param of two or more dimensions keeps 8-bit state.
-MATRIX_SHAPES = [(), (7,), (1, 33), (64, 48), (5, 13, 3), (41, 100), (1, (1 << 17) + 13)]
+MATRIX_SHAPES = [(), (7,), (1, 33), (64, 48), (5, 3, 13), (41, 100), (1, (1 << 17) + 13)]
 MIN_8BIT_SIZE = 0
 MATRIX_SPLIT = 4  # params[:4] in the first group, params[4:] in the second
 

@@ -87,6 +87,27 @@ def test_the_default_keeps_small_and_1d_params_in_fp32_and_large_ones_in_8bit():
         po.AdamW(model.parameters(), min_8bit_size=-1)
 
 
+def test_rows_too_short_for_8_bits_to_save_bytes_keep_fp32_moments():
+    """A row's last group takes a whole group's page slot: a conv kernel's rows of 3 would
+    cost 11.3 B an element in 8 bits against fp32's 4, so such params keep fp32 moments
+    (rows of 9 and more are cheaper in 8 bits)."""
+    conv = nn.Parameter(torch.randn(64, 64, 3, 3))
+    lora_b = nn.Parameter(torch.randn(4096, 8))
+    rows_of_9 = nn.Parameter(torch.randn(512, 9))
+    optimizer = po.AdamW([conv, lora_b, rows_of_9])
+    for p in (conv, lora_b, rows_of_9):
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    state = optimizer.state_dict()["state"]
+    assert set(state[0]) == set(state[1]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert state[2]["exp_avg_scales"].shape == (512, 1)
+    report = optimizer.memory_report()
+    assert report["fp32_state_elements"] == conv.numel() + lora_b.numel()
+    for row in range(1, 200):  # the rule, against the bytes it stands for
+        eight_bit = -(-row // 32) * (32 + 2)  # a code slot of 32 and a scale per group
+        assert state_format.rows_are_cheaper_in_8bit(row) == (eight_bit < 4 * row), row
+
+
 def test_plan_counts_the_row_groups():
     """The plan's byte counts come from the same page table and group counts."""
     from pagedoptim.paging import state_plan
@@ -187,14 +208,16 @@ def test_small_and_1d_params_of_an_old_8bit_state_dict_load_as_their_decoded_fp3
             assert torch.equal(state[index][name], flat_decoded(old["state"][index], name))
 
 
-def write_version_1_checkpoint(path, model: nn.Module, old: dict) -> None:
+def write_version_1_checkpoint(path, model: nn.Module, old: dict,
+                               codes_dtype: str = "int8") -> None:
     """The streaming checkpoint pagedoptim before 0.2 wrote for state `old` (flat groups,
     every param 8-bit, format version 1), written with this version's format module."""
     params = list(model.parameters())
     streams = []
     for name, second in (("exp_avg", False), ("exp_avg_sq", True)):
-        streams += [checkpoint_format.StreamEntry(f"{name}_codes",
-                                                  "uint8" if second else "int8", 32, False),
+        dtype, size = ("uint8", 32) if second else (codes_dtype, 32 if codes_dtype == "int8"
+                                                   else 64)
+        streams += [checkpoint_format.StreamEntry(f"{name}_codes", dtype, size, False),
                     checkpoint_format.StreamEntry(f"{name}_scales", "float16", 2, True)]
     entries = tuple(checkpoint_format.ParamEntry(
         tuple(p.shape), "float32", None, {"step": torch.tensor(3.0)}, None,
@@ -245,6 +268,20 @@ def test_a_version_1_streaming_checkpoint_loads_as_its_state_dict_does(tmp_path)
     for index, entry in again.state_dict()["state"].items():
         for key, value in entry.items():
             assert torch.equal(streamed[index][key], value), (index, key)
+
+
+def test_a_saved_slot_with_a_stream_of_another_dtype_is_refused_not_reinterpreted(tmp_path):
+    """A slot in another layout is converted from its streams' bytes: a stream whose dtype
+    or size is not the one its name has in any state format is refused first."""
+    generator = torch.Generator().manual_seed(4)
+    model = nn.Sequential(nn.Linear(20, 72))
+    old = old_state_dict(model, generator)
+    for entry in old["state"].values():
+        entry["exp_avg_codes"] = entry["exp_avg_codes"].to(torch.int16)
+    write_version_1_checkpoint(tmp_path / "bad.ckpt", model, old, codes_dtype="int16")
+    optimizer = po.AdamW(model.parameters(), lr=1e-2, min_8bit_size=0)
+    with pytest.raises(ValueError, match="param 0 keeps state"):
+        optimizer.load_checkpoint(tmp_path / "bad.ckpt")
 
 
 @pytest.mark.parametrize("row_length", [0, 20, 40, 64, 3])

@@ -528,10 +528,44 @@ def expected_records(header: Header) -> Iterator[RecordSpec]:
                 yield RecordSpec(position, index, begin, end - begin, payload)
 
 
+def _groups_in(numel: int, row_length: int) -> int:
+    """The groups of a slot of `numel` elements in rows of `row_length` (0: flat)."""
+    if row_length == 0:
+        return -(-numel // GROUP_SIZE)
+    return numel // row_length * -(-row_length // GROUP_SIZE)
+
+
 def max_payload_bytes(header: Header) -> int:
-    """The largest payload of the file's records (with row groups a later record of a slot
-    can hold one group more than its first)."""
-    return max((spec.payload_bytes for spec in expected_records(header)), default=0)
+    """A bound on the largest payload of the file's records, from the slots alone (a record
+    of `step` elements touches at most step // row + 2 rows, so that many rows' groups), for
+    the buffer the records are read into; iter_records checks each record's own size."""
+    bound = 0
+    for entry in header.params:
+        for slot in entry.slots:
+            step = min(slot.numel, elements_per_record(slot, header.record_bytes))
+            if slot.row_length:
+                per_row = -(-slot.row_length // GROUP_SIZE)
+                groups = (step // slot.row_length + 2) * per_row
+            else:
+                groups = step // GROUP_SIZE + 1
+            bound = max(bound, sum(groups * s.bytes_per_group if s.per_group
+                                   else step * s.bytes_per_group // GROUP_SIZE
+                                   for s in slot.streams))
+    return bound
+
+
+def _least_records_bytes(header: Header) -> int:
+    """A lower bound of records_bytes, from the slots alone: every record's header, every
+    element's bytes and every group's (records cut inside a group repeat it)."""
+    total = _FOOTER.size
+    for entry in header.params:
+        for slot in entry.slots:
+            step = elements_per_record(slot, header.record_bytes)
+            total += -(-slot.numel // step) * _RECORD.size
+            total += sum(_groups_in(slot.numel, slot.row_length) * s.bytes_per_group
+                         if s.per_group else slot.numel * s.bytes_per_group // GROUP_SIZE
+                         for s in slot.streams)
+    return total
 
 
 def records_bytes(header: Header) -> int:
@@ -555,6 +589,12 @@ def check_length(handle: BinaryIO, header: Header) -> None:
     """Raises CheckpointError unless exactly the header's records and footer follow (a
     truncated or extended file is refused before any record is read)."""
     remaining = _remaining(handle)
+    # A header claiming more than the file holds is refused before its records are counted
+    # one by one (a crafted numel of 2^47 would take hours to count).
+    least = _least_records_bytes(header)
+    if remaining is not None and remaining < least:
+        raise CheckpointError(f"{remaining} bytes follow the header where its records and "
+                              f"footer take at least {least} (truncated)")
     expected = records_bytes(header)
     if remaining is not None and remaining != expected:
         state = "truncated" if remaining < expected else "trailing bytes"

@@ -237,10 +237,10 @@ def _check_slots(store: Any, p: torch.Tensor, position: int, entry: ParamEntry,
     mine = [slot for _, _, slot in ours]
     if mine == list(entry.slots):
         return [number for _, number, _ in ours]
+    known = _known_streams(store)
     convertible = (
         [(s.role, s.numel) for s in mine] == [(s.role, s.numel) for s in entry.slots]
-        and all(a == b or (a.role == "state"
-                           and all(store.is_stream_name(s.name) for s in a.streams))
+        and all(a == b or (a.role == "state" and all(s in known for s in a.streams))
                 for a, b in zip(entry.slots, mine)))
     if not convertible:
         describe = lambda slots: [(slot.role, slot.numel,  # noqa: E731
@@ -250,6 +250,17 @@ def _check_slots(store: Any, p: torch.Tensor, position: int, entry: ParamEntry,
                          "with the checkpoint's hyperparameters")
     return [number if saved == slot else None
             for (_, number, slot), saved in zip(ours, entry.slots)]
+
+
+def _known_streams(store: Any) -> set[StreamEntry]:
+    """Every stream a slot of this algorithm's state can hold, in any state format: what a
+    saved slot in another layout may have (a name with another dtype or size is refused
+    before any byte is read as it)."""
+    specs = [state_format.residual_stream(bits) for bits in (24, 32)]
+    for moment in store.all_moments():
+        for bits in (8, 32):
+            specs += state_format.moment_streams(moment, bits)
+    return set(_stream_entries(specs))
 
 
 class _Conversion:

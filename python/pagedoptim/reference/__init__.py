@@ -195,8 +195,13 @@ def group_shape(shape: torch.Size) -> torch.Size:
 
 def keeps_8bit_state(param: torch.Tensor, min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE) -> bool:
     """Whether state_bits=8 gives `param` 8-bit moments: two or more dimensions, at least
-    min_8bit_size elements, real."""
-    return param.dim() >= 2 and param.numel() >= min_8bit_size and not param.is_complex()
+    min_8bit_size elements, real, and rows of the last dimension d for which a moment's 8-bit
+    page bytes (a 32-byte code slot and a 2-byte scale per group of the row) are below fp32's
+    4 bytes an element."""
+    if param.dim() < 2 or param.numel() < min_8bit_size or param.is_complex():
+        return False
+    row = param.shape[-1]
+    return row > 0 and num_groups(row) * (GROUP_SIZE + 2) < 4 * row
 
 
 def _rows(shape: torch.Size) -> tuple[int, int]:

@@ -71,16 +71,26 @@ class StreamSpec:
 def keeps_8bit_state(p: torch.Tensor, min_8bit_size: int) -> bool:
     """Whether `p` keeps 8-bit moments under state_bits=8: params of two or more dimensions
     with at least `min_8bit_size` elements (of the whole param: a DTensor's global shape, so
-    every rank and one process decide alike). 1-D params keep fp32 moments: a dim-0 shard of
-    one (FSDP2 on 3 ranks cuts a 4096 norm weight into 1366 elements) would cut its groups,
-    and they are a negligible share of the bytes; complex params too (their real view's rows
-    would be pairs)."""
+    every rank and one process decide alike) whose rows make 8-bit moments smaller than
+    fp32 ones. 1-D params keep fp32 moments: a dim-0 shard of one (FSDP2 on 3 ranks cuts a
+    4096 norm weight into 1366 elements) would cut its groups, and they are a negligible
+    share of the bytes; complex params too (their real view's rows would be pairs)."""
     return shape_keeps_8bit_state(p.shape, p.is_complex(), min_8bit_size)
 
 
 def shape_keeps_8bit_state(shape: torch.Size, is_complex: bool, min_8bit_size: int) -> bool:
     """keeps_8bit_state for a param of this shape (and complex or not)."""
-    return len(shape) >= 2 and math.prod(shape) >= min_8bit_size and not is_complex
+    return (len(shape) >= 2 and math.prod(shape) >= min_8bit_size and not is_complex
+            and rows_are_cheaper_in_8bit(int(shape[-1])))
+
+
+def rows_are_cheaper_in_8bit(row: int) -> bool:
+    """Whether a moment in rows of `row` elements takes fewer page bytes in 8 bits than in
+    fp32 (4 B an element). Each row's last group takes a whole group's slot of codes (32 B)
+    and a 2 B scale: a conv kernel's rows of 3 would cost 11.3 B an element, LoRA's B rows of
+    8 (rank 8) 4.25 B; rows of 9 and more cost less than 4 B."""
+    groups = -(-row // GROUP_SIZE)
+    return row > 0 and groups * GROUP_SIZE + 2 * groups < 4 * row
 
 
 def row_length(shape: torch.Size) -> int:
