@@ -605,12 +605,14 @@ def test_pages_chosen_for_the_state_hold_all_of_it(kwargs, state_bits):
     """choose_page_bytes lays pages out as the native geometry does (stream alignment
     included): a state of one kind under 2 MiB fits one page, exactly; a state of two kinds
     (fp32 params, bf16 params with a residual) costs no more pages and bytes than one page
-    per kind sized for the larger would. The params are 2-D, so that each dtype is one kind
-    (1-D params keep fp32 moments, a kind of their own)."""
+    per kind sized for the larger would. The params are 2-D with rows of 9 and more, so that
+    each dtype is one kind (1-D params and shorter rows keep fp32 moments, a kind of their
+    own)."""
     gen = torch.Generator().manual_seed(state_bits)
     charge = po.paging.PAGE_OVERHEAD_CHARGE
     for trial in range(5):
-        shapes = [tuple(int(d) for d in torch.randint(1, 300, (2,), generator=gen))
+        shapes = [(int(torch.randint(1, 300, (1,), generator=gen)),
+                   int(torch.randint(9, 300, (1,), generator=gen)))
                   for _ in range(int(torch.randint(2, 9, (1,), generator=gen)))]
         params = [nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s, dtype in
                   zip(shapes, [torch.float32, torch.bfloat16] * 5)]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import pagedoptim as po
+from pagedoptim.state import format as state_format
 from support import (EXACT, FP32_TOL, SMALL_SHAPES, Grads, TrajectoryScale,
                      assert_8bit_moment_bytes, assert_params_close, make_params, run_steps,
                      set_grads)
@@ -75,9 +76,11 @@ def test_wrap_applies_the_paging_kwargs():
     compressed = po.wrap(torch_opt, state_bits=8, min_8bit_size=0).memory_report()
     numel = sum(p.numel() for p in params)
     assert exact["moment_bytes"] == 2 * 4 * numel  # fp32 m and v
-    # 8-bit codes of m and v; fp32 moments for the 0-dim and 1-D params
+    # 8-bit codes of m and v; fp32 moments for the 0-dim and 1-D params and the rows of 3
     assert_8bit_moment_bytes(compressed)
-    assert compressed["fp32_state_elements"] == sum(p.numel() for p in params if p.dim() < 2)
+    assert compressed["fp32_state_elements"] == sum(
+        p.numel() for p in params if not state_format.keeps_8bit_state(p, 0))
+    assert compressed["fp32_state_elements"] < numel
 
 
 def test_wrap_leaves_the_torch_optimizer_as_it_was():
