@@ -1,8 +1,10 @@
-"""release_grads=True: each parameter is stepped inside backward by a post-accumulate-grad hook
-and its gradient freed. The step math is the same kernel on the same per-parameter state, so
-the result must equal the ordinary path (backward, then step()) bit for bit, for every
-optimizer and every state_bits / master_bits setting. Where the mode cannot work (gradient
-accumulation across backward calls, step(closure), GradScaler) it must raise."""
+"""release_grads=True: each gradient goes into a gradient stream of the param's pages as soon as
+autograd has produced it (a post-accumulate-grad hook) and p.grad is freed; step() steps from
+the streams. The step math is the same kernel on the same per-parameter state and the same
+gradient, so the result must equal the ordinary path (backward, then step()) bit for bit, for
+every optimizer and every state_bits / master_bits setting. Where the mode cannot work
+(step(closure), GradScaler) it must raise. Clipping, accumulation, AMP, DDP and Trainer:
+test_release_exact.py."""
 
 import pytest
 import torch
@@ -102,26 +104,36 @@ def test_at_most_one_gradient_is_alive_during_backward():
     assert peak_plain == num_params
 
 
-def test_grads_are_none_and_state_exists_after_backward():
+def test_grads_are_none_and_no_param_moves_before_step():
     model = Net(torch.bfloat16)
     opt = po.AdamW(model.parameters(), lr=1e-3, release_grads=True)
     before = [p.detach().clone() for p in model.parameters()]
     loss_of(model, 0).backward()
     assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+    opt.step()
     assert all(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
     assert all(opt.state[p]["step"].item() == 1.0 for p in model.parameters())
-    opt.step()
 
 
-def test_second_backward_without_step_raises():
-    model = Net(torch.float32)
-    opt = po.AdamW(model.parameters(), lr=1e-3, release_grads=True)
-    loss_of(model, 0).backward()
-    with pytest.raises(RuntimeError, match="accumulate"):
-        loss_of(model, 1).backward()
-    opt.step()
-    loss_of(model, 2).backward()  # a new round after step() works again
-    opt.step()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gradients_accumulate_over_backward_calls_as_p_grad_does(dtype):
+    """Three backward calls, then step(): the streams sum the gradients in the param's dtype,
+    in the order p.grad would, so the step is the one the ordinary path takes."""
+    def run(release):
+        model = Net(dtype)
+        opt = po.AdamW(model.parameters(), lr=1e-2, release_grads=release)
+        for step in range(3):
+            for micro in range(3):
+                loss_of(model, 10 * step + micro).backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+    released, opt = run(True)
+    plain, ref = run(False)
+    for (name, p), q in zip(released.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), name
+    assert all(int(opt.state[p]["step"]) == 3 for p in released.parameters())
 
 
 def test_step_with_closure_raises():
@@ -155,7 +167,7 @@ def test_grad_scaler_is_refused_before_any_param_changes(net):
     before = [p.detach().clone() for p in model.parameters()]
     opt = po.AdamW(model.parameters(), lr=1e-3, release_grads=True)
     scaler = torch.amp.GradScaler("cpu")
-    with pytest.raises(RuntimeError, match="GradScaler.*Nothing was stepped"):
+    with pytest.raises(RuntimeError, match="GradScaler.*Nothing was released"):
         scaler.scale(loss_of(model, 0)).backward()
     for p, old in zip(model.parameters(), before):
         assert torch.equal(p, old)
@@ -238,28 +250,68 @@ def test_a_param_unfrozen_after_construction_is_stepped_from_then_on():
     assert released.hidden.weight.grad is None
 
 
-def test_zero_grad_ends_the_round_so_a_backward_that_raised_can_be_retried():
+def test_a_backward_that_raised_midway_changes_no_param_and_zero_grad_drops_its_gradients():
     """A backward that raises midway (an out-of-memory error; Trainer's auto_find_batch_size
-    retries) leaves the params it had stepped stepped. The retry after zero_grad() runs;
-    without zero_grad the error says to call it."""
-    model = Net(torch.float32)
-    opt = po.AdamW(model.parameters(), lr=1e-2, release_grads=True)
-    calls = []
+    retries) has only released some gradients into their streams: no param moved. As with
+    p.grad, zero_grad() drops them, and the retry trains exactly as a run that never failed."""
+    def run(fail):
+        model = Net(torch.float32)
+        opt = po.AdamW(model.parameters(), lr=1e-2, release_grads=True)
+        before = [p.detach().clone() for p in model.parameters()]
+        if fail:
+            def out_of_memory(grad):
+                raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+            handle = model.embed.weight.register_hook(out_of_memory)
+            with pytest.raises(torch.OutOfMemoryError):
+                loss_of(model, 0).backward()
+            handle.remove()
+            assert opt.state_store.engine is None  # nothing was stepped
+            for p, old in zip(model.parameters(), before):
+                assert torch.equal(p, old)
+            opt.zero_grad()
+        for step in range(2):
+            loss_of(model, step).backward()
+            opt.step()
+            opt.zero_grad()
+        return model
+    for (name, p), q in zip(run(True).named_parameters(), run(False).parameters()):
+        assert torch.equal(p, q), name
 
-    def out_of_memory_on_the_second(grad):
-        calls.append(1)
-        if len(calls) == 1:
-            raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
-        return grad
-    handle = model.embed.weight.register_hook(out_of_memory_on_the_second)
-    with pytest.raises(torch.OutOfMemoryError):
-        loss_of(model, 0).backward()
-    stepped = [name for name, p in model.named_parameters() if p in opt.state]
-    assert stepped and len(stepped) < len(list(model.parameters()))  # half applied
-    with pytest.raises(RuntimeError, match="call zero_grad\\(\\) before retrying"):
-        loss_of(model, 0).backward()
-    opt.zero_grad()
-    loss_of(model, 0).backward()
-    opt.step()
-    handle.remove()
-    assert all(p.grad is None for p in model.parameters())
+
+def test_a_param_shared_by_two_reentrant_checkpoints_is_released_twice_and_summed():
+    """transformers' default activation checkpointing is reentrant: a param used in two
+    checkpointed blocks gets two gradients from two inner backward calls, and its hook fires
+    twice. The stream sums both, as p.grad does; the step equals the ordinary path's."""
+    import torch.utils.checkpoint as checkpoint
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(3)
+            self.embed = nn.Embedding(50, 24)
+            self.block = nn.Linear(24, 24)  # used by both checkpointed blocks
+            self.out = nn.Linear(24, 50)
+
+        def forward(self, tokens):
+            hidden = self.embed(tokens)
+            for _ in range(2):
+                hidden = checkpoint.checkpoint(lambda h: torch.tanh(self.block(h)), hidden,
+                                               use_reentrant=True)
+            return self.out(hidden)
+
+    def run(release):
+        model = Shared()
+        opt = po.AdamW(model.parameters(), lr=1e-2, release_grads=release, max_grad_norm=0.5)
+        calls = []
+        model.block.weight.register_post_accumulate_grad_hook(lambda p: calls.append(1))
+        for step in range(3):
+            loss_of(model, step).backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt, len(calls)
+    released, opt, calls = run(True)
+    plain, ref, _ = run(False)
+    assert calls == 6  # two per backward
+    for (name, p), q in zip(released.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), name
+    assert torch.equal(opt.last_grad_norm, ref.last_grad_norm)

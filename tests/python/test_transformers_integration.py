@@ -327,24 +327,49 @@ def test_route_2_without_lr_warns_that_trainer_learning_rate_is_unused(tmp_path,
 
 # -- release_grads --------------------------------------------------------------------------
 
-def test_release_grads_is_refused_where_trainer_clips_or_accumulates(tmp_path):
-    with pytest.raises(ValueError, match="release_grads=True cannot be used with "
-                                         "max_grad_norm=1.0"):
-        training_args(tmp_path, PagedOptimTrainingArguments, optim="pagedoptim_adamw",
-                      optim_args="release_grads=true")
-    with pytest.raises(ValueError, match="max_grad_norm=1.0"):
-        optimizer_cls_and_kwargs_from("pagedoptim_adamw", "release_grads=true",
-                                      args=training_args(tmp_path))
-    with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
-        optimizer_cls_and_kwargs_from("pagedoptim_adamw", "release_grads=true",
-                                      args=training_args(tmp_path, max_grad_norm=0.0,
-                                                         gradient_accumulation_steps=2))
-    # Whichever route built the optimizer, PagedOptimTrainer checks it.
-    trainer = PagedOptimTrainer(model=tiny_llama(), args=training_args(tmp_path),
-                                train_dataset=byte_dataset(),
-                                optimizer_cls_and_kwargs=(po.AdamW, {"lr": LR, "release_grads": True}))
-    with pytest.raises(ValueError, match="max_grad_norm=1.0"):
-        trainer.train()
+def _released_trainer(route, tmp_path, release, accumulation):
+    """A Trainer with TrainingArguments' defaults (max_grad_norm=1.0) built by README route
+    1-4 with po.AdamW; returns (model, logged grad_norms)."""
+    model = tiny_llama()
+    optim_args = f"release_grads={release}"
+    args = training_args(tmp_path, gradient_accumulation_steps=accumulation)
+    if route == 1:
+        trainer = transformers.Trainer(
+            model=model, args=args, train_dataset=byte_dataset(),
+            optimizers=(po.AdamW(model.parameters(), lr=LR, release_grads=release), None))
+    elif route == 2:
+        trainer = transformers.Trainer(
+            model=model, args=args, train_dataset=byte_dataset(),
+            optimizer_cls_and_kwargs=(po.AdamW, {"lr": LR, "release_grads": release}))
+    elif route == 3:
+        trainer = transformers.Trainer(
+            model=model, args=args, train_dataset=byte_dataset(),
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs_from(
+                "pagedoptim_adamw", optim_args, args=args))
+    else:
+        args = training_args(tmp_path, PagedOptimTrainingArguments, optim="pagedoptim_adamw",
+                             optim_args=optim_args, gradient_accumulation_steps=accumulation)
+        trainer = PagedOptimTrainer(model=model, args=args, train_dataset=byte_dataset())
+    trainer.train()
+    norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+    assert len(norms) == STEPS
+    return model, norms
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("route", [1, 2, 3, 4])
+def test_release_grads_trains_like_step_with_trainers_clipping_and_accumulation(
+        route, accumulation, tmp_path):
+    """Every README route, TrainingArguments' defaults (so Trainer clips to max_grad_norm=1.0
+    through accelerate) and gradient_accumulation_steps 1 and 2: release_grads=True trains
+    exactly as without it, and Trainer logs the same, real, grad_norm."""
+    model, norms = _released_trainer(route, tmp_path / "plain", False, accumulation)
+    released, released_norms = _released_trainer(route, tmp_path / "released", True,
+                                                 accumulation)
+    assert released_norms == norms
+    assert any(norm > 1.0 for norm in norms)  # Trainer's clip did clip
+    for (name, p), (_, q) in zip(released.named_parameters(), model.named_parameters()):
+        assert torch.equal(p, q), name
 
 
 def test_release_grads_is_refused_with_several_processes(tmp_path, monkeypatch):
@@ -375,37 +400,35 @@ def test_release_grads_without_clipping_trains_like_step(tmp_path):
         assert torch.equal(p, q), name
 
 
-def test_trainer_release_grads_with_clipping_raises(tmp_path):
-    """Plain Trainer (no pagedoptim integration) with release_grads=True and its default
-    max_grad_norm=1.0 must end in a clear error, not a silently skipped clip and a logged
-    grad_norm of 0.0. No pagedoptim integration sees this route: the release guard on
-    accelerate's clip_grad_norm_, which Trainer calls, refuses it."""
-    trainer = transformers.Trainer(model=tiny_llama(), args=training_args(tmp_path),
-                                   train_dataset=byte_dataset(),
-                                   optimizer_cls_and_kwargs=(po.AdamW, {"lr": LR, "release_grads": True}))
-    with pytest.raises((RuntimeError, ValueError), match="(?i)clip"):
-        trainer.train()
-
-
-def test_accelerate_clipping_released_gradients_raises():
+def test_accelerate_clips_released_gradients_as_it_clips_p_grad():
     """accelerate's clip_grad_norm_ drops every param whose gradient is None before it calls
-    torch, so torch's guarded functions never see released params: accelerate's own clipping
-    methods are guarded too, in a plain accelerate loop as under Trainer."""
+    torch, so it is routed on its own: given released params it returns the norm it returns
+    for the same gradients in p.grad, and the step after it equals the one without release.
+    clip_grad_value_ of released params is refused."""
     import accelerate
-    accelerator = accelerate.Accelerator(cpu=True)
-    model = tiny_llama()
-    model, opt = accelerator.prepare(model, po.AdamW(model.parameters(), release_grads=True))
-    batch = byte_dataset(1)[0]["input_ids"][None]
-    accelerator.backward(model(input_ids=batch, labels=batch).loss)
-    with pytest.raises(RuntimeError, match="Accelerator.clip_grad_norm_.*release_grads=True"):
-        accelerator.clip_grad_norm_(model.parameters(), 1.0)
-    with pytest.raises(RuntimeError, match="Accelerator.clip_grad_value_.*release_grads=True"):
-        accelerator.clip_grad_value_(model.parameters(), clip_value=0.5)
-    with pytest.warns(RuntimeWarning, match="norm reads 0.0"):
-        norm = accelerator.clip_grad_norm_(model.parameters(), float("inf"))
-    assert float(norm) == 0.0
-    opt.step()
 
+    def run(release, max_norm):
+        accelerator = accelerate.Accelerator(cpu=True)
+        model = tiny_llama()
+        model, opt = accelerator.prepare(model, po.AdamW(model.parameters(), lr=LR,
+                                                         release_grads=release))
+        batch = byte_dataset(1)[0]["input_ids"][None]
+        accelerator.backward(model(input_ids=batch, labels=batch).loss)
+        if release:
+            with pytest.raises(RuntimeError, match="Accelerator.clip_grad_value_.*release_grads"):
+                accelerator.clip_grad_value_(model.parameters(), clip_value=0.5)
+        norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        return model, norm
+
+    for max_norm in (0.1, float("inf")):
+        model, norm = run(False, max_norm)
+        released, released_norm = run(True, max_norm)
+        assert torch.equal(released_norm, norm) and float(norm) > 0.1
+        for (name, p), (_, q) in zip(released.named_parameters(), model.named_parameters()):
+            assert torch.equal(p, q), (max_norm, name)
+
+    accelerator = accelerate.Accelerator(cpu=True)
     other = torch.nn.Linear(3, 3)  # params of no released optimizer: accelerate's own clip
     other(torch.randn(2, 3)).pow(2).sum().backward()
     expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in other.parameters()]))

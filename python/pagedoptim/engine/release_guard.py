@@ -1,34 +1,33 @@
 """Gradient release must never silently change training.
 
-With `release_grads=True` each parameter is stepped inside backward and its gradient freed,
-so two things that read gradients after backward would silently go wrong:
+With `release_grads=True` each gradient goes into a gradient stream as backward produces it
+and p.grad is freed (optim/gradient_release.py), so what reads p.grad between backward and
+step() would find nothing. This module puts released gradients where those readers look:
 
-- **clipping**: `clip_grad_norm_` / `clip_grad_value_` would find no gradients, clip
-  nothing and report a norm of 0.0. Exact global-norm clipping needs every gradient before
-  the first parameter steps, which is what release gives up. So while an optimizer with
-  release_grads is alive, torch.nn.utils' clipping functions, and accelerate's
-  `Accelerator.clip_grad_norm_` / `clip_grad_value_`, raise when given its params and a
-  finite limit. A call with max_norm=inf (HF Trainer's way of only measuring the norm)
-  changes nothing and goes through, with a warning that the norm reads 0.0.
+- **clip_grad_norm_** (torch.nn.utils' and accelerate's `Accelerator.clip_grad_norm_`, which
+  HF Trainer calls): given released params, the call computes the total norm from the norms
+  taken at release, exactly as torch would from the gradients (engine/release_clipping.py),
+  returns it, and hands the clip coefficient to the optimizer, which multiplies it into each
+  gradient as step() takes it from its stream. Plain gradients in the same call are clipped
+  in place as torch does. accelerate has to be routed on its own: it drops every parameter
+  whose gradient is None before it reaches torch.
+- **clip_grad_value_** is not routed: given a release optimizer's params and a finite limit
+  it raises (an infinite limit changes nothing and goes through).
+- **data parallelism**: under DDP the post-accumulate-grad hook fires before the all-reduce,
+  so the gradients must be taken from DDP's communication hook instead
+  (`optimizer.register_ddp(model)`); a multi-rank backward that releases gradients without
+  it raises before anything is released.
+- **GradScaler**: its gradients are scaled until `scaler.step` unscales them, and it reads
+  p.grad to find infs. `GradScaler.scale` is wrapped so that the losses it scales mark the
+  backward they start, and the first release of such a backward raises, before anything was
+  released. The mark lasts until that backward ends, so the inner backward calls of
+  reentrant activation checkpoints are refused too.
 
-  accelerate has to be guarded on its own: its clip_grad_norm_ (which HF Trainer calls)
-  skips every parameter whose gradient is None before it reaches torch, so torch's
-  functions never see the released params at all.
-- **data parallelism**: under DDP (or any multi-rank run) the hook fires before the
-  gradients are all-reduced, so each rank would step with its own gradient and the ranks
-  would drift apart. The first released step in a multi-rank process raises.
-- **GradScaler**: its gradients are scaled until `scaler.step` unscales them, which with
-  release is after they were applied. `GradScaler.scale` is wrapped so that the losses it
-  scales mark the backward they start, and the first release hook of such a backward
-  raises, before any parameter changed (`step()` alone would see the scaler only after a
-  whole step was taken with scaled gradients). The mark lasts until that backward ends, so
-  the inner backward calls of reentrant activation checkpoints are refused too.
-
-The clipping functions are wrapped once, when the first such optimizer is created (and,
-for accelerate, at the first released step if accelerate was imported after that); the
-wrapper only adds the check and calls the original function unchanged. Code that imported the
+The functions are wrapped once, when the first such optimizer is created (and, for
+accelerate, at the first release if accelerate was imported after that); the wrapper calls
+the original function unchanged unless it was given released params. Code that imported a
 function by name before that (`from torch.nn.utils import clip_grad_norm_`) keeps torch's,
-unchecked: docs/drop_in.md says so.
+which sees no released gradient: docs/drop_in.md says so.
 """
 
 from __future__ import annotations
@@ -37,11 +36,12 @@ import functools
 import itertools
 import math
 import sys
-import warnings
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
+
+from pagedoptim.engine import release_clipping, release_hooks
 
 _watched: "weakref.WeakSet[Any]" = weakref.WeakSet()
 # The backward calls running now that started from a loss GradScaler scaled: a token each,
@@ -50,7 +50,6 @@ _watched: "weakref.WeakSet[Any]" = weakref.WeakSet()
 # checkpoint computes its params' gradients in an inner backward of its own.
 _scaled_backwards: set[int] = set()
 _tokens = itertools.count()
-_warned_about_norm: "weakref.WeakSet[Any]" = weakref.WeakSet()  # once per optimizer
 
 
 def watch(optimizer: Any) -> None:
@@ -59,15 +58,17 @@ def watch(optimizer: Any) -> None:
     install()
 
 
-def check_not_data_parallel() -> None:
+def check_not_data_parallel(ddp_registered: bool) -> None:
+    """Raises in a multi-rank process where no DDP communication hook takes the gradients."""
     distributed = torch.distributed
-    if distributed.is_available() and distributed.is_initialized() \
+    if not ddp_registered and distributed.is_available() and distributed.is_initialized() \
             and distributed.get_world_size() > 1:
         raise RuntimeError(
-            "release_grads=True cannot be used with data parallelism (DDP, or any run with "
-            f"world_size={distributed.get_world_size()}): the step runs inside backward, "
-            "before the gradients are all-reduced, so every rank would step with its own "
-            "gradient and the ranks would drift apart. Use release_grads=False")
+            "release_grads=True under data parallelism (world_size="
+            f"{distributed.get_world_size()}) must take the gradients after DDP's all-reduce: "
+            "call optimizer.register_ddp(ddp_model) once after wrapping the model in "
+            "DistributedDataParallel. Here a gradient was released before any all-reduce, so "
+            "every rank would step with its own gradient. Nothing was released")
 
 
 def _optimizers_of(parameters: list[torch.Tensor]) -> list[Any]:
@@ -77,22 +78,96 @@ def _optimizers_of(parameters: list[torch.Tensor]) -> list[Any]:
 
 
 def _check_clip(name: str, parameters: list[torch.Tensor], limit: float) -> None:
-    optimizers = _optimizers_of(parameters)
-    if not optimizers:
-        return
-    if math.isinf(limit):
-        if any(optimizer not in _warned_about_norm for optimizer in optimizers):
-            _warned_about_norm.update(optimizers)
-            warnings.warn(f"{name} measured the gradient norm of parameters "
-                          "whose optimizer has release_grads=True: their gradients are "
-                          "freed inside backward, so the norm reads 0.0", RuntimeWarning,
-                          stacklevel=4)
+    """clip_grad_value_ of a release optimizer's params: an infinite limit changes nothing."""
+    if math.isinf(limit) or not _optimizers_of(parameters):
         return
     raise RuntimeError(
         f"{name} was called on parameters of a pagedoptim optimizer with "
-        "release_grads=True: their gradients were applied and freed inside backward, so "
-        "clipping would find none, clip nothing and report 0.0. Turn clipping off (HF "
-        "Trainer: max_grad_norm=0) or use release_grads=False")
+        "release_grads=True: their gradients are in gradient streams, not p.grad, and only "
+        "clip_grad_norm_ (or the optimizer's max_grad_norm=) clips them. Use "
+        "clip_grad_norm_, or release_grads=False")
+
+
+def _release_of(p: torch.Tensor) -> Any:
+    """The GradientRelease that holds a released gradient of p this round, or None."""
+    owner = release_hooks.owner_of(p)
+    release = getattr(owner, "_release", None) if owner in _watched else None
+    return release if release is not None and release.released_norm(p) is not None else None
+
+
+def _has_released(parameters: list[torch.Tensor]) -> bool:
+    return any(_release_of(p) is not None for p in parameters)
+
+
+def _total_norm(parameters: list[torch.Tensor], error_if_nonfinite: bool) -> torch.Tensor:
+    """clip_grad_norm_'s total norm of the gradients of `parameters`, released or not."""
+    norms = []
+    for p in parameters:
+        release = _release_of(p)
+        if release is not None:
+            norms.append(release.released_norm(p))
+        elif p.grad is not None:
+            norms.append(release_clipping.norm_of(p.grad))
+    return release_clipping.total_norm(norms, norms, error_if_nonfinite)
+
+
+def _clip(parameters: list[torch.Tensor], max_norm: Optional[float],
+          total: torch.Tensor) -> None:
+    """Clips plain gradients now and hands released ones their coefficient (applied when
+    step() takes them); max_norm None: only notes the norm."""
+    coefficient = None if max_norm is None else \
+        release_clipping.clip_coefficient(max_norm, total)
+    for p in dict.fromkeys(parameters):
+        release = _release_of(p)
+        if release is not None:
+            release.clip(p, coefficient, total)
+        elif p.grad is not None and coefficient is not None:
+            release_clipping.apply(p.grad, coefficient)
+
+
+def _route_clip_grad_norm(original: Callable[..., Any]) -> Callable[..., Any]:
+    """torch.nn.utils.clip_grad_norm_, computed from the released norms where it is given
+    released params."""
+    @functools.wraps(original)
+    def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False, foreach: Optional[bool] = None
+                        ) -> torch.Tensor:
+        if _watched:
+            parameters = [parameters] if isinstance(parameters, torch.Tensor) else \
+                list(parameters)  # a generator is consumed here: pass the list on
+            if _has_released(parameters):
+                release_clipping.check_norm_type(norm_type, "torch.nn.utils.clip_grad_norm_")
+                total = _total_norm(parameters, error_if_nonfinite)
+                _clip(parameters, float(max_norm), total)
+                return total
+        return original(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    clip_grad_norm_.__wrapped_by_pagedoptim__ = original  # type: ignore[attr-defined]
+    return clip_grad_norm_
+
+
+def _route_accelerate_clip_grad_norm(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Accelerator.clip_grad_norm_ for a single-device or DDP model (the only ones release
+    runs under): accelerate's own arithmetic (the norm of the one-element stack of torch's
+    total norm; no clipping at max_norm=inf) over the released norms."""
+    @functools.wraps(original)
+    def clip_grad_norm_(self: Any, parameters: Any, max_norm: float, norm_type: float = 2,
+                        **kwargs: Any) -> Any:
+        if _watched and not kwargs:
+            parameters = [parameters] if isinstance(parameters, torch.Tensor) else \
+                list(parameters)
+            if _has_released(parameters):
+                release_clipping.check_norm_type(norm_type, "Accelerator.clip_grad_norm_")
+                self.unscale_gradients()
+                total = torch.linalg.vector_norm(
+                    torch.stack([_total_norm(parameters, False)]), norm_type)
+                _clip(parameters, None if max_norm == float("inf") else float(max_norm),
+                      total)
+                return total
+        return original(self, parameters, max_norm, norm_type, **kwargs)
+
+    clip_grad_norm_.__wrapped_by_pagedoptim__ = original  # type: ignore[attr-defined]
+    return clip_grad_norm_
 
 
 def _guard(original: Callable[..., Any], name: str, limit_argument: str,
@@ -118,7 +193,7 @@ def _guard(original: Callable[..., Any], name: str, limit_argument: str,
     return guarded
 
 
-_CLIPPING = (("clip_grad_norm_", "max_norm"), ("clip_grad_value_", "clip_value"))
+_CLIP_VALUE = ("clip_grad_value_", "clip_value")
 
 
 def check_backward_not_scaled() -> None:
@@ -130,8 +205,9 @@ def check_backward_not_scaled() -> None:
     raise RuntimeError(
         "GradScaler cannot be used with release_grads=True: this backward started from a "
         "loss GradScaler scaled, so its gradients are scaled until scaler.step() unscales "
-        "them, but release applies each one inside backward. Nothing was stepped. Use "
-        "release_grads=False with GradScaler, or train in bf16, which needs no loss scaling")
+        "them and reads p.grad for infs, but release moves each one into its gradient "
+        "stream inside backward. Nothing was released. Use release_grads=False with "
+        "GradScaler, or train in bf16, which needs no loss scaling")
 
 
 def _mark_scaled_backward(grad: torch.Tensor) -> None:
@@ -174,20 +250,24 @@ def install() -> None:
     if not hasattr(scaler.scale, "__wrapped_by_pagedoptim__"):
         scaler.scale = _guard_scale(scaler.scale)
     utils = torch.nn.utils
-    for name, limit_argument in _CLIPPING:
-        current = getattr(utils, name)
-        if hasattr(current, "__wrapped_by_pagedoptim__"):
-            continue
-        guarded = _guard(current, f"torch.nn.utils.{name}", limit_argument, is_method=False)
+    name, limit_argument = _CLIP_VALUE
+    if not hasattr(getattr(utils, name), "__wrapped_by_pagedoptim__"):
+        guarded = _guard(getattr(utils, name), f"torch.nn.utils.{name}", limit_argument,
+                         is_method=False)
         setattr(utils, name, guarded)
         setattr(utils.clip_grad, name, guarded)
+    if not hasattr(utils.clip_grad_norm_, "__wrapped_by_pagedoptim__"):
+        routed = _route_clip_grad_norm(utils.clip_grad_norm_)
+        utils.clip_grad_norm_ = routed
+        utils.clip_grad.clip_grad_norm_ = routed
     accelerate = sys.modules.get("accelerate")
     accelerator = getattr(accelerate, "Accelerator", None)
     if accelerator is None:
         return
-    for name, limit_argument in _CLIPPING:
-        current = getattr(accelerator, name, None)
-        if current is None or hasattr(current, "__wrapped_by_pagedoptim__"):
-            continue
+    current = getattr(accelerator, name, None)
+    if current is not None and not hasattr(current, "__wrapped_by_pagedoptim__"):
         setattr(accelerator, name, _guard(current, f"Accelerator.{name}", limit_argument,
                                           is_method=True))
+    current = getattr(accelerator, "clip_grad_norm_", None)
+    if current is not None and not hasattr(current, "__wrapped_by_pagedoptim__"):
+        accelerator.clip_grad_norm_ = _route_accelerate_clip_grad_norm(current)

@@ -25,9 +25,12 @@ every Trainer optimizer, from the Trainer's parameter groups. optim_args overrid
 (pagedoptim.integrations.optim_args lists the keys).
 
 SkewAdam needs the model so that Trainer's unnamed parameters get their tiers from
-named_parameters() (SkewAdam's names_from=). release_grads=True steps each parameter inside
-backward, before Trainer clips, accumulates or all-reduces gradients; it is refused where
-Trainer would do any of those, rather than train differently without a word.
+named_parameters() (SkewAdam's names_from=). release_grads=True keeps each gradient in a
+gradient stream from backward to the step: Trainer's clip_grad_norm_ (through accelerate) and
+its gradient accumulation work on them unchanged (pagedoptim/optim/gradient_release.py). Under
+several processes accelerate wraps the model in DDP after the optimizer is built, where
+release needs `optimizer.register_ddp(model)` first, so release is refused there rather than
+train differently without a word.
 """
 
 from __future__ import annotations
@@ -68,8 +71,8 @@ def optimizer_cls_and_kwargs_from(
 
     name: one of OPTIMIZERS. optim_args: "key=value,..." with the optimizer's keyword
     arguments. args: the Trainer's TrainingArguments, for the learning rate and Adam
-    settings, and to refuse release_grads where Trainer would clip, accumulate or all-reduce
-    gradients (without args that check is left to the caller). model: required by
+    settings, and to refuse release_grads under several processes (without args that check is
+    left to the caller). model: required by
     pagedoptim_skewadam, whose tiers come from the parameter names.
     """
     if name not in OPTIMIZERS:
@@ -99,32 +102,17 @@ def _kwargs_from_training_args(optimizer_cls: type, args: TrainingArguments) -> 
 
 
 def check_release_grads_fits(args: TrainingArguments, release_grads: bool) -> None:
-    """Raise if release_grads=True would silently change what this Trainer trains.
-
-    With release_grads the optimizer steps each parameter as soon as its gradient is
-    accumulated and frees the gradient, so Trainer's later clip_grad_norm_ finds no
-    gradients (no clipping, a logged grad_norm of 0.0), accumulation over micro-batches
-    never happens, and under DDP each rank steps with its own gradient before the
-    all-reduce.
-    """
-    if not release_grads:
-        return
-    if args.max_grad_norm is not None and args.max_grad_norm > 0:
-        raise ValueError(f"release_grads=True cannot be used with max_grad_norm="
-                         f"{args.max_grad_norm} (TrainingArguments clips by default): each "
-                         "param is stepped inside backward, before Trainer clips, so clipping "
-                         "would be skipped and the logged grad_norm would read 0.0. Set "
-                         "max_grad_norm=0 to train without clipping, or release_grads=False")
-    if args.gradient_accumulation_steps > 1:
-        raise ValueError(f"release_grads=True cannot be used with gradient_accumulation_steps="
-                         f"{args.gradient_accumulation_steps}: each micro-batch's gradient is "
-                         "stepped and freed inside its backward. Set "
-                         "gradient_accumulation_steps=1, or release_grads=False")
-    if args.world_size > 1:
+    """Raise if release_grads=True would silently change what this Trainer trains: under
+    several processes accelerate wraps the model in DDP after the optimizer is built, and the
+    released gradients would be taken before the all-reduce (release under DDP needs
+    optimizer.register_ddp(model), which Trainer never calls). Clipping (max_grad_norm) and
+    gradient_accumulation_steps work with release."""
+    if release_grads and args.world_size > 1:
         raise ValueError(f"release_grads=True cannot be used with {args.world_size} processes "
-                         "(data parallel): each rank would step with its own gradient, before "
-                         "the all-reduce, and the replicas would diverge. Use "
-                         "release_grads=False")
+                         "under Trainer: accelerate wraps the model in DDP after the optimizer "
+                         "is built, and release takes the gradients after DDP's all-reduce "
+                         "only where optimizer.register_ddp(model) was called (a plain DDP "
+                         "loop, docs/drop_in.md). Use release_grads=False")
 
 
 @dataclasses.dataclass
@@ -165,8 +153,8 @@ class PagedOptimTrainingArguments(TrainingArguments):
 
 class PagedOptimTrainer(Trainer):
     """Trainer that builds pagedoptim's optimizers from their names in `args.optim`
-    (PagedOptimTrainingArguments), and refuses release_grads=True wherever Trainer would
-    clip, accumulate or all-reduce, whichever route built the optimizer."""
+    (PagedOptimTrainingArguments), and refuses release_grads=True under several processes,
+    whichever route built the optimizer (check_release_grads_fits)."""
 
     @staticmethod
     def get_optimizer_cls_and_kwargs(args: TrainingArguments,

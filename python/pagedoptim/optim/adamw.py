@@ -53,6 +53,7 @@ class AdamW(PagedOptimizer):
         prefetch: int = 4,
         policy: str = "auto",
         release_grads: bool = False,
+        max_grad_norm: Optional[float] = None,
         foreach: Optional[bool] = None,
         fused: Optional[bool] = None,
         capturable: bool = False,
@@ -68,7 +69,8 @@ class AdamW(PagedOptimizer):
                                 min_8bit_size=min_8bit_size,
                                 offload=offload, nvme_dir=nvme_dir, cache_bytes=cache_bytes,
                                 page_bytes=page_bytes, prefetch=prefetch, policy=policy,
-                                release_grads=release_grads)
+                                release_grads=release_grads,
+                                max_grad_norm=max_grad_norm)
         super().__init__(params, defaults, options)
 
     def _decoupled_weight_decay_default(self) -> bool:

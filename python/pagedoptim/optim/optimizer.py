@@ -29,6 +29,7 @@ from pagedoptim.engine.state_store import (ONE_OPTIMIZER_PER_DEVICE, StateStore,
 from pagedoptim.engine.step_batch import StepBatch, refuse_cuda_graph_capture
 from pagedoptim.optim import state_dict as state_dict_bodies
 from pagedoptim.optim import torch_flags, trainer_route_check
+from pagedoptim.optim.gradient_release import GradientRelease
 from pagedoptim.paging.options import PagingOptions
 from pagedoptim.state import sharding as sharded_params
 from pagedoptim.state.format import Moment
@@ -61,7 +62,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._options = options
         self._store = self._store_class(self, self._kind, options)
         self._release_hooks: list[Any] = []
-        self._released_this_round: set[int] = set()
+        self._release = GradientRelease(self, options) if options.release_grads else None
+        self._last_grad_norm: Optional[torch.Tensor] = None
         self._closed = False
         if isinstance(params, (set, frozenset)):
             raise TypeError("params must be an ordered collection (a list, a generator, "
@@ -143,9 +145,37 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     @property
     def release_grads(self) -> bool:
-        """Whether params are stepped inside backward (release_grads=True): integrations
-        check it against what would read gradients after backward (clipping, DDP)."""
+        """Whether gradients are released (release_grads=True): each one goes into a
+        gradient stream of the param's pages as backward produces it and p.grad is freed;
+        step() steps from the streams (optim/gradient_release.py)."""
         return self._options.release_grads
+
+    @property
+    def max_grad_norm(self) -> Optional[float]:
+        """The max_norm step() clips the gradients to, as clip_grad_norm_ would, before it
+        steps (None: it does not clip)."""
+        return self._options.max_grad_norm
+
+    @property
+    def last_grad_norm(self) -> Optional[torch.Tensor]:
+        """The total gradient norm of the last step, where it was clipped (by max_grad_norm,
+        or by a clip_grad_norm_ of released gradients): what clip_grad_norm_ returned. A
+        0-dim tensor; None before any."""
+        if self._release is not None:
+            return self._release.last_grad_norm
+        return self._last_grad_norm
+
+    @open_only
+    def register_ddp(self, model: Any) -> None:
+        """With release_grads=True under DDP: takes the gradients of `model` (the
+        DistributedDataParallel module of this optimizer's params) after DDP's all-reduce,
+        through a communication hook, so every rank steps the same reduced gradient. Call it
+        once after wrapping the model, before the first backward; the module must have no
+        other communication hook."""
+        if self._release is None:
+            raise ValueError("register_ddp is for release_grads=True: without release, DDP "
+                             "reduces p.grad and step() reads it")
+        self._release.register_ddp(model)
 
     # -- parameter groups ------------------------------------------------------------------
 
@@ -191,9 +221,9 @@ class PagedOptimizer(torch.optim.Optimizer):
         # Once per param: a param given twice in a group is stepped once per backward here
         # (each backward completes its gradient once), where step() would step it twice.
         # The hooks hold this optimizer weakly (engine/release_hooks.py). A param frozen
-        # now gets its hook when it first has a gradient (_finish_released_round).
+        # now gets its hook when it first has a gradient (GradientRelease.finish_round).
         self._release_hooks += release_hooks.claim(
-            self, params, lambda optimizer, p: optimizer._step_released(p))
+            self, params, lambda optimizer, p: optimizer._release.on_hook(p))
 
     # -- the step --------------------------------------------------------------------------
 
@@ -237,6 +267,15 @@ class PagedOptimizer(torch.optim.Optimizer):
         amp = self._amp_arguments() if self._step_supports_amp_scaling else {}
         stepped = [(p, group_id, p.grad, {}) for group_id, group in enumerate(self.param_groups)
                    for p in group["params"] if p.grad is not None]
+        if self._options.max_grad_norm is not None and stepped:
+            if "grad_scale" in amp:
+                raise RuntimeError(
+                    f"max_grad_norm={self._options.max_grad_norm} cannot clip gradients "
+                    "GradScaler has not unscaled: call scaler.unscale_(optimizer) before "
+                    "scaler.step(optimizer)")
+            # clip_grad_norm_ of the optimizer's params, in their order, as a loop would.
+            self._last_grad_norm = torch.nn.utils.clip_grad_norm_(
+                list(dict.fromkeys(p for p, _, _, _ in stepped)), self._options.max_grad_norm)
         try:
             self._step_params(stepped, amp)
             if "grad_scale" in amp:
@@ -353,44 +392,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         optimizers keep it); state[p]['step'] unless the algorithm hides it."""
         return self.state[p].step_counter(p.device if p.is_cuda else _CPU, self._step_in_state)
 
-    # -- gradient release ------------------------------------------------------------------
-
-    @torch.no_grad()
-    def _step_released(self, p: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: steps `p` as soon as its gradient is complete, then
-        frees the gradient, so at most one parameter's gradient is alive at a time."""
-        if p.grad is None:
-            return
-        if id(p) in self._released_this_round:
-            raise RuntimeError(
-                "release_grads=True steps each parameter inside backward and frees its "
-                "gradient, so gradients cannot accumulate over several backward calls: call "
-                "optimizer.step() after every backward (it ends the round), or use "
-                "release_grads=False for gradient accumulation. If the previous backward "
-                "raised midway (out of memory, say), call zero_grad() before retrying: the "
-                "params it had stepped already keep that update")
-        if not self._released_this_round:  # a backward's first release: what holds for all
-            refuse_cuda_graph_capture()
-            release_guard.check_backward_not_scaled()
-            release_guard.check_not_data_parallel()
-            release_guard.install()  # accelerate may have been imported after __init__
-            self.state.sync()
-        store = self._store
-        group = self._group_of(p)
-        batch = StepBatch([self._group_hyperparameters(group)])
-        pending = [(p, 0, p.grad, {})]
-        first_round, resume = interrupted_step.plan_rounds(
-            type(self).__name__, store.engine, store.interrupted, pending, batch.hyperparameters)
-        store.interrupted = None
-        if first_round > 0:  # a retry of a step that had applied every page
-            self._released_this_round.add(id(p))
-            p.grad = None
-            return
-        self._add_to_batch(batch, p, self._dense_grad(p, p.grad, group), 0)
-        self._run(batch, interrupted_step.StepFingerprint.of(pending, batch.hyperparameters),
-                  resume=resume)
-        self._released_this_round.add(id(p))
-        p.grad = None
+    # -- gradient release (pagedoptim/optim/gradient_release.py) ---------------------------
 
     def _group_of(self, p: torch.Tensor) -> dict[str, Any]:
         for group in self.param_groups:
@@ -401,38 +403,23 @@ class PagedOptimizer(torch.optim.Optimizer):
     def _finish_released_round(self, closure: Any) -> None:
         if closure is not None:
             raise RuntimeError("step(closure) cannot be used with release_grads=True: the "
-                               "parameters were already stepped inside backward")
+                               "closure's backward releases the gradients that step() steps; "
+                               "call the closure (backward) before step()")
         if getattr(self, "found_inf", None) is not None:
             raise RuntimeError("GradScaler cannot be used with release_grads=True: it "
                                "unscales and checks gradients before the step, but with "
-                               "gradient release they are applied and freed inside backward")
-        self._step_unreleased_grads()
-        self._released_this_round.clear()
+                               "gradient release they are in the gradient streams")
+        self._release.finish_round(lambda entries: self._step_params(
+            [(p, group_id, grad, {}) for p, group_id, grad in entries], {}))
         return None
 
-    def _step_unreleased_grads(self) -> None:
-        """Steps, as step() would, every param that has a gradient no hook released: a param
-        frozen at construction and unfrozen since (it had no hook, so its gradient grew over
-        the steps and it never moved), or a gradient set by hand. It gets its hook now, so
-        from the next backward on it is released like the others."""
-        late = [(p, group_id, p.grad, {}) for group_id, group in enumerate(self.param_groups)
-                for p in group["params"] if p.grad is not None]
-        if not late:
-            return
-        self._step_params(late, {})  # GradScaler was refused above
-        for p, _, _, _ in late:
-            p.grad = None
-        self._register_release_hooks([p for p, _, _, _ in late
-                                      if release_hooks.owner_of(p) is not self])
-
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """torch's zero_grad; with release_grads=True it also ends the round, as step()
-        does, so a backward that raised midway (out of memory, say) can be retried after
-        it. The params that backward had already stepped keep that update: a release step
-        cannot be undone."""
+        """torch's zero_grad; with release_grads=True it also empties the gradient streams,
+        as it empties p.grad without release (after a backward that raised midway, out of
+        memory say, the retry starts from no gradient)."""
         super().zero_grad(set_to_none)
-        if self._options.release_grads:
-            self._released_this_round.clear()
+        if self._release is not None:
+            self._release.end_round()
 
     # -- state_dict (the bodies: pagedoptim/optim/state_dict.py) ----------------------------
 
@@ -570,7 +557,9 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._store = self._store_class(self, self._kind, self._options,
                                         params[0].device if params else None)
         self._release_hooks = []
-        self._released_this_round = set()
+        self._release = GradientRelease(self, self._options) if self._options.release_grads \
+            else None
+        self._last_grad_norm = None
         self._closed = False
         self.state = StateMap(self)
         if self._options.release_grads:

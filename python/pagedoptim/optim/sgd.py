@@ -58,6 +58,7 @@ class SGD(PagedOptimizer):
         prefetch: int = 4,
         policy: str = "auto",
         release_grads: bool = False,
+        max_grad_norm: Optional[float] = None,
         foreach: Optional[bool] = None,
         fused: Optional[bool] = None,
         capturable: bool = False,
@@ -72,7 +73,8 @@ class SGD(PagedOptimizer):
                                 min_8bit_size=min_8bit_size,
                                 offload=offload, nvme_dir=nvme_dir, cache_bytes=cache_bytes,
                                 page_bytes=page_bytes, prefetch=prefetch, policy=policy,
-                                release_grads=release_grads)
+                                release_grads=release_grads,
+                                max_grad_norm=max_grad_norm)
         super().__init__(params, defaults, options)
 
     @staticmethod

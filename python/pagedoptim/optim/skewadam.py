@@ -97,6 +97,7 @@ class SkewAdam(PagedOptimizer):
         prefetch: int = 4,
         policy: str = "auto",
         release_grads: bool = False,
+        max_grad_norm: Optional[float] = None,
         foreach: Optional[bool] = None,
         fused: Optional[bool] = None,
         capturable: bool = False,
@@ -112,7 +113,8 @@ class SkewAdam(PagedOptimizer):
                                 min_8bit_size=min_8bit_size,
                                 offload=offload, nvme_dir=nvme_dir, cache_bytes=cache_bytes,
                                 page_bytes=page_bytes, prefetch=prefetch, policy=policy,
-                                release_grads=release_grads)
+                                release_grads=release_grads,
+                                max_grad_norm=max_grad_norm)
         super().__init__(named_params_or_groups, defaults, options)
 
     # -- hyperparameters and tiers ---------------------------------------------------------

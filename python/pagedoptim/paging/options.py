@@ -34,6 +34,9 @@ class PagingOptions:
     prefetch: int = 4
     policy: str = "auto"
     release_grads: bool = False
+    # step() clips the gradients to this global 2-norm first, as clip_grad_norm_ would
+    # (None: no clipping). With release_grads the norms are taken as gradients are released.
+    max_grad_norm: Optional[float] = None
 
     def __post_init__(self) -> None:
         # Written the way the PAGEDOPTIM_* variables and optim_args take them: sizes as text
@@ -103,3 +106,11 @@ class PagingOptions:
                              "offload='host' or 'nvme' as well")
         if not isinstance(self.release_grads, bool):
             raise TypeError(f"release_grads must be a bool, got {type(self.release_grads).__name__}")
+        norm = self.max_grad_norm
+        if norm is not None:
+            if isinstance(norm, bool) or not isinstance(norm, (int, float)) \
+                    or not norm > 0:  # NaN too
+                raise ValueError(f"Invalid max_grad_norm: {norm!r} (expected None or a number "
+                                 "> 0: the max_norm clip_grad_norm_ would clip the gradients "
+                                 "to)")
+            object.__setattr__(self, "max_grad_norm", float(norm))
