@@ -13,6 +13,7 @@ nvme, on the CPU and on the simulated device (the GPU paging orchestration, docs
 fp32 params under bf16 autocast and bf16 params (bf16 gradients, summed in bf16).
 """
 
+import contextlib
 import os
 import warnings
 
@@ -208,3 +209,70 @@ def test_backward_on_the_simulated_device_never_holds_a_whole_gradient():
     samples, full, largest, cache = _gradient_bytes_during_backward(release=True)
     assert len(samples) == 4 * len(list(tiny_llama().parameters()))
     assert max(samples) <= largest + cache < full, (max(samples), largest, cache, full)
+
+
+# -- GradScaler ------------------------------------------------------------------------------
+
+def train_scaled(*, release, accumulation, settings, unscale, clip, simulated=False, steps=12):
+    """fp16 autocast with GradScaler (an initial scale so large that the first steps overflow
+    and are skipped, then grown every 3 steps); (model, optimizer, clip norms, scales)."""
+    model = tiny_llama()
+    kwargs = dict(settings)
+    if clip == "option":
+        kwargs["max_grad_norm"] = MAX_NORM
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        context = paging.simulated_device() if simulated else contextlib.nullcontext()
+        with context:
+            opt = po.AdamW(model.parameters(), lr=LR, release_grads=release, **kwargs)
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=3)
+            batches = byte_batches(steps * accumulation)
+            norms, scales = [], []
+            for step in range(steps):
+                for micro in range(accumulation):
+                    tokens = batches[step * accumulation + micro]
+                    with torch.autocast("cpu", dtype=torch.float16):
+                        loss = model(input_ids=tokens, labels=tokens).loss / accumulation
+                    scaler.scale(loss).backward()
+                if unscale:
+                    scaler.unscale_(opt)
+                if clip == "call":
+                    norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+                scaler.step(opt)
+                scaler.update()
+                scales.append(scaler.get_scale())
+                opt.zero_grad()
+    return model, opt, norms, scales
+
+
+SCALED = [(True, "call"), (False, None), (True, "option"), (False, "call")]
+
+
+@pytest.mark.parametrize("simulated", [False, True], ids=["cpu", "simulated"])
+@pytest.mark.parametrize("unscale,clip", SCALED,
+                         ids=["unscale-clip", "plain", "unscale-max_grad_norm", "clip-scaled"])
+@pytest.mark.parametrize("accumulation", [1, 4])
+def test_grad_scaler_unscales_skips_and_clips_released_gradients_as_p_grad(
+        accumulation, unscale, clip, simulated, tmp_path):
+    """Released gradients under GradScaler: found_inf reaches unscale_, step() and update()
+    (the first steps overflow: skipped, the scale backs off, as without release), unscale_
+    and clipping see the unscaled gradients, and the step equals the loop without release
+    bit for bit."""
+    settings = dict(EIGHT_BIT, **(paged("host", tmp_path) if simulated else {}))
+    plain = train_scaled(release=False, accumulation=accumulation, settings=settings,
+                         unscale=unscale, clip=clip, simulated=simulated)
+    released = train_scaled(release=True, accumulation=accumulation, settings=settings,
+                            unscale=unscale, clip=clip, simulated=simulated)
+    model, opt, norms, scales = released
+    ref_model, ref_opt, ref_norms, ref_scales = plain
+    assert scales == ref_scales and scales[0] < 2.0 ** 24  # the first steps overflowed
+    assert len(norms) == len(ref_norms)
+    for norm, ref_norm in zip(norms, ref_norms):  # an overflowed step's norm is inf or NaN
+        torch.testing.assert_close(norm, ref_norm, rtol=0, atol=0, equal_nan=True)
+    assert any(torch.isfinite(n) for n in ref_norms) or clip != "call"
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p, q), name
+    state, ref_state = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    for index in ref_state:
+        for key, value in ref_state[index].items():
+            assert torch.equal(state[index][key], value), (index, key)

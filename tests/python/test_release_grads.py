@@ -3,7 +3,7 @@ autograd has produced it (a post-accumulate-grad hook) and p.grad is freed; step
 the streams. The step math is the same kernel on the same per-parameter state and the same
 gradient, so the result must equal the ordinary path (backward, then step()) bit for bit, for
 every optimizer and every state_bits / master_bits setting. Where the mode cannot work
-(step(closure), GradScaler) it must raise. Clipping, accumulation, AMP, DDP and Trainer:
+(step(closure)) it must raise. Clipping, accumulation, AMP, DDP and Trainer:
 test_release_exact.py."""
 
 import pytest
@@ -162,21 +162,34 @@ class CheckpointedNet(Net):
 
 
 @pytest.mark.parametrize("net", [Net, CheckpointedNet], ids=["plain", "reentrant-checkpoint"])
-def test_grad_scaler_is_refused_before_any_param_changes(net):
-    model = net(torch.float32)
-    before = [p.detach().clone() for p in model.parameters()]
-    opt = po.AdamW(model.parameters(), lr=1e-3, release_grads=True)
-    scaler = torch.amp.GradScaler("cpu")
-    with pytest.raises(RuntimeError, match="GradScaler.*Nothing was released"):
-        scaler.scale(loss_of(model, 0)).backward()
-    for p, old in zip(model.parameters(), before):
-        assert torch.equal(p, old)
-    # The refusal belongs to that backward: one from an unscaled loss releases as usual.
-    opt.zero_grad()
-    loss_of(model, 1).backward()
-    opt.step()
-    assert any(not torch.equal(p, old) for p, old in zip(model.parameters(), before))
-
+def test_grad_scaler_sees_released_gradients_also_from_reentrant_checkpoints(net):
+    """The scaled loss marks its backward, and the mark reaches the inner backward calls of
+    reentrant checkpoints: their releases are unscaled and checked for infs as p.grad would
+    be, so the run equals the one without release (more in test_release_exact.py)."""
+    def run(release):
+        model = net(torch.float32)
+        opt = po.AdamW(model.parameters(), lr=1e-3, release_grads=release)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=1)
+        overflow = [True]  # the first step's gradient of the output layer overflows
+        model.out.weight.register_hook(
+            lambda grad: grad * float("inf") if overflow[0] else grad)
+        scales = []
+        for step in range(4):
+            scaler.scale(loss_of(model, step)).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+            overflow[0] = False
+            opt.zero_grad()
+        return model, scales
+    released, scales = run(True)
+    plain, plain_scales = run(False)
+    assert scales == plain_scales
+    assert scales == [2.0 ** 15, 2.0 ** 16, 2.0 ** 17, 2.0 ** 18]  # the first step skipped
+    for (name, p), q in zip(released.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), name
 
 
 def _released_steps(model, opt, first, count):

@@ -17,11 +17,14 @@ step() would find nothing. This module puts released gradients where those reade
   so the gradients must be taken from DDP's communication hook instead
   (`optimizer.register_ddp(model)`); a multi-rank backward that releases gradients without
   it raises before anything is released.
-- **GradScaler**: its gradients are scaled until `scaler.step` unscales them, and it reads
-  p.grad to find infs. `GradScaler.scale` is wrapped so that the losses it scales mark the
-  backward they start, and the first release of such a backward raises, before anything was
-  released. The mark lasts until that backward ends, so the inner backward calls of
-  reentrant activation checkpoints are refused too.
+- **GradScaler**: its gradients are scaled until it unscales them, and it looks for infs in
+  p.grad. `GradScaler.scale` is wrapped so that the losses it scales mark the backward they
+  start with the scaler (the mark lasts until that backward ends, so the inner backward
+  calls of reentrant activation checkpoints carry it too): a release in such a backward
+  also takes the norm of the unscaled sum and notes any inf or NaN in it
+  (optim/gradient_release.py). `GradScaler._unscale_grads_`, which both `unscale_` and
+  `step` use to look for infs, is wrapped to add the released gradients' found_inf to what
+  it found in p.grad, and, for `unscale_`, to have the optimizer unscale them when it steps.
 
 The functions are wrapped once, when the first such optimizer is created (and, for
 accelerate, at the first release if accelerate was imported after that); the wrapper calls
@@ -48,7 +51,7 @@ _watched: "weakref.WeakSet[Any]" = weakref.WeakSet()
 # added by a hook on the scaled loss (the first thing its backward runs) and removed by a
 # callback at the end of that backward. Not per graph task: a reentrant activation
 # checkpoint computes its params' gradients in an inner backward of its own.
-_scaled_backwards: set[int] = set()
+_scaled_backwards: dict[int, Any] = {}  # token -> the GradScaler that scaled its loss
 _tokens = itertools.count()
 
 
@@ -196,26 +199,25 @@ def _guard(original: Callable[..., Any], name: str, limit_argument: str,
 _CLIP_VALUE = ("clip_grad_value_", "clip_value")
 
 
-def check_backward_not_scaled() -> None:
-    """Raises in a release hook of a backward that started from a loss GradScaler scaled."""
-    if not _scaled_backwards:
-        return
-    # The backward ends with this error, so its end callback never runs.
+def scaler_of_backward() -> Any:
+    """The GradScaler whose scaled loss started the backward running now, or None."""
+    return next(reversed(_scaled_backwards.values()), None)
+
+
+def _marker(scaler: Any) -> Callable[[torch.Tensor], None]:
+    def mark_scaled_backward(grad: torch.Tensor) -> None:
+        """Hook on a scaled loss: runs first in the backward that starts from it."""
+        token = next(_tokens)
+        _scaled_backwards[token] = scaler
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: _scaled_backwards.pop(token, None))
+    return mark_scaled_backward
+
+
+def forget_scaled_backwards() -> None:
+    """Between backward calls (step(), zero_grad()): drops the marks of backward calls that
+    raised, whose end callbacks never ran."""
     _scaled_backwards.clear()
-    raise RuntimeError(
-        "GradScaler cannot be used with release_grads=True: this backward started from a "
-        "loss GradScaler scaled, so its gradients are scaled until scaler.step() unscales "
-        "them and reads p.grad for infs, but release moves each one into its gradient "
-        "stream inside backward. Nothing was released. Use release_grads=False with "
-        "GradScaler, or train in bf16, which needs no loss scaling")
-
-
-def _mark_scaled_backward(grad: torch.Tensor) -> None:
-    """Hook on a scaled loss: runs first in the backward that starts from it."""
-    token = next(_tokens)
-    _scaled_backwards.add(token)
-    torch.autograd.Variable._execution_engine.queue_callback(
-        lambda: _scaled_backwards.discard(token))
 
 
 def _tensors_in(outputs: Any) -> list[torch.Tensor]:
@@ -229,17 +231,42 @@ def _tensors_in(outputs: Any) -> list[torch.Tensor]:
 
 
 def _guard_scale(original: Callable[..., Any]) -> Callable[..., Any]:
+    """GradScaler.scale, marking the backward of each loss it scales with the scaler."""
     @functools.wraps(original)
     def scale(self: Any, outputs: Any) -> Any:
         scaled = original(self, outputs)
         if _watched and self.is_enabled():
             for tensor in _tensors_in(scaled):
                 if tensor.requires_grad:
-                    tensor.register_hook(_mark_scaled_backward)
+                    tensor.register_hook(_marker(self))
         return scaled
 
     scale.__wrapped_by_pagedoptim__ = original  # type: ignore[attr-defined]
     return scale
+
+
+def _route_unscale_grads(original: Callable[..., Any]) -> Callable[..., Any]:
+    """GradScaler._unscale_grads_ (what unscale_, with allow_fp16=False, and the inf check of
+    step(), with allow_fp16=True and an inv_scale of 1, call per optimizer), with the found_inf
+    of the optimizer's released gradients added to what it found in p.grad; unscale_'s
+    inv_scale is handed to the optimizer, which multiplies it into each released gradient as
+    unscale_ multiplies p.grad, when it steps."""
+    @functools.wraps(original)
+    def _unscale_grads_(self: Any, optimizer: Any, inv_scale: torch.Tensor,
+                        found_inf: torch.Tensor, allow_fp16: bool) -> dict:
+        found = original(self, optimizer, inv_scale, found_inf, allow_fp16)
+        release = getattr(optimizer, "_release", None) if optimizer in _watched else None
+        if release is None:
+            return found
+        released_inf = release.unscale(None if allow_fp16 else inv_scale)
+        if released_inf is not None:
+            device = released_inf.device
+            found[device] = released_inf if device not in found else \
+                torch.maximum(found[device], released_inf)
+        return found
+
+    _unscale_grads_.__wrapped_by_pagedoptim__ = original  # type: ignore[attr-defined]
+    return _unscale_grads_
 
 
 def install() -> None:
@@ -249,6 +276,8 @@ def install() -> None:
     scaler = torch.amp.GradScaler
     if not hasattr(scaler.scale, "__wrapped_by_pagedoptim__"):
         scaler.scale = _guard_scale(scaler.scale)
+    if not hasattr(scaler._unscale_grads_, "__wrapped_by_pagedoptim__"):
+        scaler._unscale_grads_ = _route_unscale_grads(scaler._unscale_grads_)
     utils = torch.nn.utils
     name, limit_argument = _CLIP_VALUE
     if not hasattr(getattr(utils, name), "__wrapped_by_pagedoptim__"):

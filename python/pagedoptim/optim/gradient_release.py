@@ -21,10 +21,14 @@ release keeps what the loop without it computes, bit for bit:
 - a backward that raised midway (out of memory) changed no param: the gradients it released
   wait in their streams, as they would in p.grad, until step() or zero_grad().
 
-What release cannot keep exact raises the first time it meets it: GradScaler (its scale would
-have to be applied to gradients already in the streams), clip_grad_value_, a second
-clip_grad_norm_ of the same gradients, another norm_type than 2, a backward after the clip
-(engine/release_guard.py and below).
+- GradScaler: a release in a backward that started from a scaled loss also takes the norm of
+  the unscaled sum and notes infs; unscale_ and step() find them through the routed
+  `_unscale_grads_`, the step unscales each gradient as unscale_ (or, for device state, the
+  kernel) would, and is skipped on an inf as without release.
+
+What release cannot keep exact raises the first time it meets it: clip_grad_value_, a second
+clip_grad_norm_ of the same gradients, another norm_type than 2, a backward after the clip or
+after unscale_ (engine/release_guard.py and below).
 """
 
 from __future__ import annotations
@@ -59,6 +63,11 @@ class GradientRelease:
         self.last_grad_norm: Optional[torch.Tensor] = None
         self.ddp_params: set[int] = set()  # ids of the params a DDP comm hook releases
         self._backward_checked = False
+        # GradScaler: the norms of the unscaled sums (taken where a scaled loss started the
+        # backward), whether any sum holds an inf or NaN, and the inv_scale unscale_ gave.
+        self.unscaled_norms: dict[torch.Tensor, torch.Tensor] = {}
+        self.found_inf: Optional[torch.Tensor] = None
+        self.unscaled_by: Optional[torch.Tensor] = None
 
     @property
     def optimizer(self) -> Any:
@@ -80,7 +89,6 @@ class GradientRelease:
         if self._backward_checked:
             return
         refuse_cuda_graph_capture()
-        release_guard.check_backward_not_scaled()
         release_guard.check_not_data_parallel(bool(self.ddp_params))
         release_guard.install()  # accelerate may have been imported after __init__
         self._backward_checked = True
@@ -98,15 +106,49 @@ class GradientRelease:
                 "a gradient was released after clip_grad_norm_ clipped this optimizer's "
                 "released gradients and before step(): the clip was computed without it. Call "
                 "clip_grad_norm_ after the last backward before step()")
+        if self.unscaled_by is not None:
+            raise RuntimeError(
+                "a gradient was released after GradScaler.unscale_ unscaled this optimizer's "
+                "released gradients and before step(): it would be added to unscaled "
+                "gradients while scaled. Call unscale_ after the last backward before step()")
         grad = optimizer._dense_grad(p, grad, optimizer._group_of(p))
         total = self.gradients.accumulate(p, grad, optimizer._store.params())
         self.norms[p] = release_clipping.norm_of(total)
+        scaler = release_guard.scaler_of_backward()
+        if scaler is not None:
+            self._note_scaled(p, total, scaler)
 
+    def _note_scaled(self, p: torch.Tensor, total: torch.Tensor, scaler: Any) -> None:
+        """A release in a backward GradScaler scaled: the norm of the sum as unscale_ would
+        leave it (unscale_'s own kernel on a copy, with its inv_scale), and whether the sum
+        holds an inf or NaN. An inf in any micro-batch stays in the sum, so the last check
+        of each stream is the one unscale_ would make."""
+        if self.found_inf is None:
+            self.found_inf = torch.zeros((), dtype=torch.float32, device=total.device)
+        inv_scale = scaler._scale.double().reciprocal().float().to(total.device)
+        unscaled = total.clone()
+        torch._amp_foreach_non_finite_check_and_unscale_([unscaled], self.found_inf, inv_scale)
+        self.unscaled_norms[p] = release_clipping.norm_of(unscaled)
+
+    def unscale(self, inv_scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """GradScaler looks for infs in this optimizer's gradients (routed here by
+        engine/release_guard.py): returns the released gradients' found_inf (None: none was
+        released in a scaled backward). inv_scale: unscale_'s (None: step()'s check only);
+        the step multiplies it into each released gradient, and clipping from then on uses
+        the unscaled norms."""
+        if not self.unscaled_norms:
+            return None
+        if inv_scale is not None:
+            self.unscaled_by = inv_scale
+        return self.found_inf
     # -- clipping (clip_grad_norm_ routed here by engine/release_guard.py) -----------------
 
     def released_norm(self, p: torch.Tensor) -> Optional[torch.Tensor]:
-        """The norm of p's released gradient this round, or None (none released)."""
-        return self.norms.get(p) if self.gradients.has(p) else None
+        """The norm of p's released gradient this round (unscaled, after GradScaler's
+        unscale_), or None (none released)."""
+        if not self.gradients.has(p):
+            return None
+        return (self.unscaled_norms if self.unscaled_by is not None else self.norms).get(p)
 
     def clip(self, p: torch.Tensor, coefficient: Optional[torch.Tensor],
              total: torch.Tensor) -> None:
@@ -125,27 +167,52 @@ class GradientRelease:
     # -- step() ----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def finish_round(self, step: Callable[[list[tuple[torch.Tensor, int, torch.Tensor]]], None]
-                     ) -> None:
+    def finish_round(self, step: Callable[[list[tuple[torch.Tensor, int, torch.Tensor]],
+                                           dict[str, torch.Tensor]], None],
+                     amp: dict[str, torch.Tensor], on_device: bool) -> None:
         """Steps every param with a released gradient, in release order, its gradient
-        clipped: `step([(p, group index, grad), ...])` per batch of at most STEP_BATCH_BYTES
-        of gradients (one native call each; a param larger than that is a batch of its own).
-        Then the streams are empty."""
+        unscaled and clipped: `step([(p, group index, grad), ...], amp)` per batch of at most
+        STEP_BATCH_BYTES of gradients (one native call each; a param larger than that is a
+        batch of its own). Then the streams are empty.
+
+        amp: GradScaler's found_inf / grad_scale, handed over by GradScaler.step. Device
+        state takes them as the step without release does (the kernels unscale by grad_scale
+        and skip on found_inf, no host sync); CPU state, whose step without release GradScaler
+        unscales (unscale_'s multiply) and skips on the host, gets the same here."""
         optimizer = self.optimizer
         self._release_late_gradients()
         params = self.gradients.filled()
         group_ids = {id(p): index for index, group in enumerate(optimizer.param_groups)
                      for p in group["params"]}
-        coefficient = self._coefficient_of_max_grad_norm(params)
+        inv_scale_at_step = None
+        if not on_device:
+            found_inf = amp.get("found_inf")
+            if found_inf is not None and float(found_inf.sum()) != 0:
+                self.end_round()  # GradScaler skips the step: the gradients are dropped
+                return
+            if "grad_scale" in amp:
+                inv_scale_at_step = amp["grad_scale"].double().reciprocal().float()
+            amp = {}
+        elif "grad_scale" in amp and self.max_grad_norm is not None:
+            raise RuntimeError(
+                f"max_grad_norm={self.max_grad_norm} cannot clip gradients GradScaler has not "
+                "unscaled: call scaler.unscale_(optimizer) before scaler.step(optimizer)")
+        coefficient = self._coefficient_of_max_grad_norm(
+            params, unscaled=self.unscaled_by is not None or inv_scale_at_step is not None)
         self.gradients.plan_reads(params)
         try:
             for batch in _batches(params, STEP_BATCH_BYTES):
                 entries = []
                 for p in batch:
+                    # In the order the loop without release changes p.grad: unscale_, a
+                    # clip_grad_norm_ call, GradScaler.step's unscale_, max_grad_norm's clip.
                     grad = self.gradients.read(p)
-                    release_clipping.apply(grad, self.coefficients.get(p, coefficient))
+                    _unscale(grad, self.unscaled_by)
+                    release_clipping.apply(grad, self.coefficients.get(p))
+                    _unscale(grad, inv_scale_at_step)
+                    release_clipping.apply(grad, coefficient)
                     entries.append((p, group_ids[id(p)], grad))
-                step(entries)
+                step(entries, amp)
                 # Emptied once stepped: a step that raised midway steps the rest on retry
                 # (the batch that raised is read again, the same, and resumed).
                 for p in batch:
@@ -167,10 +234,11 @@ class GradientRelease:
         optimizer._register_release_hooks(
             [p for p in late if release_hooks.owner_of(p) is not optimizer])
 
-    def _coefficient_of_max_grad_norm(self, params: list[torch.Tensor]
+    def _coefficient_of_max_grad_norm(self, params: list[torch.Tensor], unscaled: bool
                                       ) -> Optional[torch.Tensor]:
         """max_grad_norm's clip coefficient over the params in the optimizer's order (where
-        clip_grad_norm_(optimizer's params) would take them), or None."""
+        clip_grad_norm_(optimizer's params) would take them), or None. unscaled: of the
+        gradients GradScaler unscaled (their norms taken at release)."""
         if self.max_grad_norm is None or not params:
             return None
         if self.coefficients:
@@ -180,7 +248,7 @@ class GradientRelease:
                 "clipped twice. Use one or the other")
         filled = set(params)
         ordered = [p for p in dict.fromkeys(self.optimizer._store.params()) if p in filled]
-        norms = [self.norms[p] for p in ordered]
+        norms = [(self.unscaled_norms if unscaled else self.norms)[p] for p in ordered]
         total = release_clipping.total_norm(norms, norms)
         self.last_grad_norm = total
         return release_clipping.clip_coefficient(self.max_grad_norm, total)
@@ -188,9 +256,13 @@ class GradientRelease:
     def end_round(self) -> None:
         """Empties the streams (step() applied them, or zero_grad() dropped them)."""
         self._backward_checked = False
+        release_guard.forget_scaled_backwards()
         self.gradients.clear()
         self.norms.clear()
         self.coefficients.clear()
+        self.unscaled_norms.clear()
+        self.found_inf = None
+        self.unscaled_by = None
 
     # -- DDP -------------------------------------------------------------------------------
 
@@ -232,6 +304,15 @@ def _release_after_all_reduce(state, bucket):  # type: ignore[no-untyped-def]
     done: torch.futures.Future = torch.futures.Future()
     done.set_result(buffer)
     return done
+
+
+def _unscale(grad: torch.Tensor, inv_scale: Optional[torch.Tensor]) -> None:
+    """grad *= inv_scale with the kernel GradScaler.unscale_ uses (its found_inf is known)."""
+    if inv_scale is None:
+        return
+    found_inf = torch.zeros((), dtype=torch.float32, device=grad.device)
+    torch._amp_foreach_non_finite_check_and_unscale_([grad], found_inf,
+                                                     inv_scale.to(grad.device).reshape(()))
 
 
 def _batches(params: list[torch.Tensor], budget: int) -> list[list[torch.Tensor]]:

@@ -405,12 +405,15 @@ class PagedOptimizer(torch.optim.Optimizer):
             raise RuntimeError("step(closure) cannot be used with release_grads=True: the "
                                "closure's backward releases the gradients that step() steps; "
                                "call the closure (backward) before step()")
-        if getattr(self, "found_inf", None) is not None:
-            raise RuntimeError("GradScaler cannot be used with release_grads=True: it "
-                               "unscales and checks gradients before the step, but with "
-                               "gradient release they are in the gradient streams")
-        self._release.finish_round(lambda entries: self._step_params(
-            [(p, group_id, grad, {}) for p, group_id, grad in entries], {}))
+        try:
+            self._release.finish_round(
+                lambda entries, amp: self._step_params(
+                    [(p, group_id, grad, {}) for p, group_id, grad in entries], amp),
+                self._amp_arguments(), self._store.steps_on_a_device())
+        except BaseException:
+            for name in ("grad_scale", "found_inf"):  # as step() does: see there
+                self.__dict__.pop(name, None)
+            raise
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
