@@ -36,6 +36,7 @@ from pagedoptim.state.format import StreamSpec
 GRADIENT = "grad"
 # One page kind per element size: the kernels never read these pages, they only hold bytes.
 _KIND_OF_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 1}
+_STREAM_ELEMENT_BYTES = (4, 2)  # by kind
 _KINDS = [[StreamSpec(GRADIENT, 4 * state_format.GROUP_SIZE, False, torch.float32)],
           [StreamSpec(GRADIENT, 2 * state_format.GROUP_SIZE, False, torch.bfloat16)]]
 # The native engine wants an algorithm; no step is ever called on this one.
@@ -147,6 +148,12 @@ class GradientStore:
 
     def paging_stats(self) -> Optional[dict[str, Any]]:
         return None if self.engine is None else self.engine.paging_stats()
+
+
+def payload_bytes(params: list[torch.Tensor]) -> int:
+    """The bytes the gradient streams of `params` hold (whole groups of 32 elements)."""
+    return sum(-(-_numel(p) // state_format.GROUP_SIZE) * state_format.GROUP_SIZE
+               * _STREAM_ELEMENT_BYTES[_kind(p)] for p in dict.fromkeys(params))
 
 
 def _stream_dtype(p: torch.Tensor) -> torch.dtype:

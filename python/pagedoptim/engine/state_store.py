@@ -30,7 +30,7 @@ import torch
 
 from pagedoptim import paging
 from pagedoptim._native import native
-from pagedoptim.engine import compiled_step, interrupted_step, lifecycle
+from pagedoptim.engine import compiled_step, gradient_store, interrupted_step, lifecycle
 from pagedoptim.paging import state_plan
 from pagedoptim.paging.state_plan import STEP_COUNTER_BYTES
 from pagedoptim.paging.options import PagingOptions
@@ -141,7 +141,10 @@ class StateStore:
                 or paging.resolve_offload(self.options) != "nvme":
             return
         plan = state_plan.plan_state(self, device)
-        paging.check_page_file_fits(self.options, plan.num_pages * plan.page_bytes)
+        needed = plan.num_pages * plan.page_bytes
+        if self.options.release_grads:  # the gradient streams' page file goes there too
+            needed += gradient_store.payload_bytes(self.params())
+        paging.check_page_file_fits(self.options, needed)
 
     # -- the layout of the pages -----------------------------------------------------------
 

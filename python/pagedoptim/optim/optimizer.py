@@ -587,14 +587,26 @@ class PagedOptimizer(torch.optim.Optimizer):
         file). 'fp32_state_elements': with state_bits=8, the elements of the params that keep
         fp32 moments (1-D, fewer than min_8bit_size elements, complex; docs/compression.md).
         SkewAdam adds 'factor_bytes', 'tiers' and 'params'
-        (pagedoptim/optim/skewadam_store.py).
+        (pagedoptim/optim/skewadam_store.py). With release_grads=True, 'grad_stream_bytes'
+        are the pages of the gradient streams (docs/gradient_release.md; not state) and
+        'grad_stream_placement' where they are, as 'state_placement' says it.
         """
-        return self._store.memory_report(self.state)
+        report = self._store.memory_report(self.state)
+        if self._release is not None:
+            usage = self._release.gradients.memory_usage()
+            report["grad_stream_bytes"] = usage["state_bytes"]
+            report["grad_stream_placement"] = usage["placement"]
+        return report
 
     @open_only
     def paging_stats(self) -> dict[str, Any]:
         """The pager's counters since the state was created: hits, misses, hit_rate, bytes
         read and written per tier, stall_seconds (time the step waited for I/O), evictions,
         errors, the io backend and why it fell back, the O_DIRECT status. offload is None
-        when the state is not paged; everything counts zero before the first step."""
-        return self._store.paging_stats()
+        when the state is not paged; everything counts zero before the first step. With
+        release_grads=True, 'grad_streams' holds the same counters of the gradient streams'
+        pages (None before the first release)."""
+        stats = self._store.paging_stats()
+        if self._release is not None:
+            stats["grad_streams"] = self._release.gradients.paging_stats()
+        return stats
