@@ -276,3 +276,26 @@ def test_grad_scaler_unscales_skips_and_clips_released_gradients_as_p_grad(
     for index in ref_state:
         for key, value in ref_state[index].items():
             assert torch.equal(state[index][key], value), (index, key)
+
+
+def test_skewadam_under_grad_scaler_releases_as_without_release():
+    """SkewAdam's kernels take no grad_scale (its statistics need the unscaled gradient):
+    the release unscales and skips itself, as GradScaler does for it without release."""
+    def run(release):
+        model = tiny_llama()
+        opt = po.SkewAdam(list(model.named_parameters()), lr=LR, release_grads=release)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=3)
+        batches = byte_batches(8)
+        for tokens in batches:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(input_ids=tokens, labels=tokens).loss
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        return model, scaler.get_scale()
+    released, scale = run(True)
+    plain, plain_scale = run(False)
+    assert scale == plain_scale < 2.0 ** 24
+    for (name, p), q in zip(released.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), name

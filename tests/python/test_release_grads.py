@@ -6,6 +6,8 @@ every optimizer and every state_bits / master_bits setting. Where the mode canno
 (step(closure)) it must raise. Clipping, accumulation, AMP, DDP and Trainer:
 test_release_exact.py."""
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -328,3 +330,49 @@ def test_a_param_shared_by_two_reentrant_checkpoints_is_released_twice_and_summe
     for (name, p), q in zip(released.named_parameters(), plain.parameters()):
         assert torch.equal(p, q), name
     assert torch.equal(opt.last_grad_norm, ref.last_grad_norm)
+
+
+def test_the_gradient_streams_page_like_the_state_and_are_reported(tmp_path):
+    """With offload="nvme" the gradient streams go to a page file of their own in nvme_dir,
+    behind a cache of a few pages; memory_report() and paging_stats() say so."""
+    model = Net(torch.float32)
+    opt = po.AdamW(model.parameters(), release_grads=True, offload="nvme",
+                   nvme_dir=str(tmp_path), page_bytes=4096, cache_bytes=4 * 4096)
+    assert opt.paging_stats()["grad_streams"] is None  # nothing released yet
+    for step in range(2):
+        loss_of(model, step).backward()
+    report = opt.memory_report()
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert report["grad_bytes"] == 0  # nothing in p.grad
+    assert grad_bytes <= report["grad_stream_bytes"] < grad_bytes + 4096 * 4
+    assert report["grad_stream_placement"]["nvme"] == report["grad_stream_bytes"]
+    stats = opt.paging_stats()["grad_streams"]
+    assert stats["offload"] == "nvme" and stats["cache_bytes"] == 4 * 4096
+    assert stats["bytes_written"]["nvme"] > 0 and stats["bytes_read"]["nvme"] > 0
+    assert os.path.dirname(stats["page_file"]).startswith(str(tmp_path))
+    opt.step()
+
+
+def test_a_clip_grad_norm_bound_before_the_optimizer_raises_rather_than_leave_gradients_out():
+    """`from torch.nn.utils import clip_grad_norm_` before the first release optimizer
+    exists binds torch's function, which never sees released gradients: its norm would
+    leave them out and it would clip nothing. It raises instead, before clipping."""
+    import subprocess
+    import sys
+    script = (
+        "import torch\n"
+        "from torch.nn.utils import clip_grad_norm_\n"
+        "import pagedoptim as po\n"
+        "model = torch.nn.Linear(4, 3)\n"
+        "opt = po.AdamW(model.parameters(), release_grads=True)\n"
+        "model(torch.randn(2, 4)).sum().backward()\n"
+        "try:\n"
+        "    clip_grad_norm_(model.parameters(), 1.0)\n"
+        "except RuntimeError as error:\n"
+        "    print('refused:', error)\n"
+        "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"
+        "opt.step()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=True)
+    assert "refused: clip_grad_norm_ was given params whose gradients were released" \
+        in done.stdout

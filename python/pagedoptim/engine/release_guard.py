@@ -28,9 +28,11 @@ step() would find nothing. This module puts released gradients where those reade
 
 The functions are wrapped once, when the first such optimizer is created (and, for
 accelerate, at the first release if accelerate was imported after that); the wrapper calls
-the original function unchanged unless it was given released params. Code that imported a
-function by name before that (`from torch.nn.utils import clip_grad_norm_`) keeps torch's,
-which sees no released gradient: docs/drop_in.md says so.
+the original function unchanged unless it was given released params. Code that imported
+clip_grad_norm_ by name before that (`from torch.nn.utils import clip_grad_norm_`) keeps
+torch's, which would leave the released gradients out of its norm; torch's function looks
+up its `_clip_grads_with_norm_` at call time, and that is wrapped to raise when it meets
+released params, before anything is clipped.
 """
 
 from __future__ import annotations
@@ -269,6 +271,30 @@ def _route_unscale_grads(original: Callable[..., Any]) -> Callable[..., Any]:
     return _unscale_grads_
 
 
+def _refuse_unrouted_clip(original: Callable[..., Any]) -> Callable[..., Any]:
+    """torch's _clip_grads_with_norm_, which clip_grad_norm_ looks up at call time: reached
+    with released params only by a clip_grad_norm_ bound by name before the routing was
+    installed, whose total norm left the released gradients out. Raises before anything is
+    clipped, rather than clip nothing and return a wrong norm."""
+    @functools.wraps(original)
+    def _clip_grads_with_norm_(parameters: Any, *args: Any, **kwargs: Any) -> None:
+        if _watched:
+            parameters = [parameters] if isinstance(parameters, torch.Tensor) else \
+                list(parameters)
+            if _has_released(parameters):
+                raise RuntimeError(
+                    "clip_grad_norm_ was given params whose gradients were released "
+                    "(release_grads=True) through a reference to torch's function taken "
+                    "before pagedoptim routed it (`from torch.nn.utils import "
+                    "clip_grad_norm_` before the optimizer was built): its norm leaves them "
+                    "out. Call torch.nn.utils.clip_grad_norm_, or bind it after building the "
+                    "optimizer. Nothing was clipped")
+        return original(parameters, *args, **kwargs)
+
+    _clip_grads_with_norm_.__wrapped_by_pagedoptim__ = original  # type: ignore[attr-defined]
+    return _clip_grads_with_norm_
+
+
 def install() -> None:
     """Wraps GradScaler.scale and the clipping functions that are not wrapped yet: torch's
     always, accelerate's when accelerate is imported (importing it here would cost every
@@ -289,6 +315,9 @@ def install() -> None:
         routed = _route_clip_grad_norm(utils.clip_grad_norm_)
         utils.clip_grad_norm_ = routed
         utils.clip_grad.clip_grad_norm_ = routed
+    inner = getattr(utils.clip_grad, "_clip_grads_with_norm_", None)
+    if inner is not None and not hasattr(inner, "__wrapped_by_pagedoptim__"):
+        utils.clip_grad._clip_grads_with_norm_ = _refuse_unrouted_clip(inner)
     accelerate = sys.modules.get("accelerate")
     accelerator = getattr(accelerate, "Accelerator", None)
     if accelerator is None:

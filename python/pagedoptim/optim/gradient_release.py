@@ -175,10 +175,11 @@ class GradientRelease:
         STEP_BATCH_BYTES of gradients (one native call each; a param larger than that is a
         batch of its own). Then the streams are empty.
 
-        amp: GradScaler's found_inf / grad_scale, handed over by GradScaler.step. Device
-        state takes them as the step without release does (the kernels unscale by grad_scale
-        and skip on found_inf, no host sync); CPU state, whose step without release GradScaler
-        unscales (unscale_'s multiply) and skips on the host, gets the same here."""
+        amp: GradScaler's found_inf / grad_scale, handed over by GradScaler.step. on_device:
+        whether the kernels take them, as the step without release does on device state
+        (they unscale by grad_scale and skip on found_inf, no host sync); otherwise (CPU
+        state, SkewAdam), where GradScaler unscales p.grad (unscale_'s multiply) and skips
+        on the host without release, the same is done here."""
         optimizer = self.optimizer
         self._release_late_gradients()
         params = self.gradients.filled()

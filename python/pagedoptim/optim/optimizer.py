@@ -57,6 +57,9 @@ class PagedOptimizer(torch.optim.Optimizer):
     _sparse_gradient_hint: str = ""
     # The store class of the algorithm's state layout.
     _store_class: type = StateStore
+    # Whether the device kernels take GradScaler's grad_scale / found_inf (SkewAdam's do
+    # not: its statistics need the unscaled gradient, so GradScaler unscales first).
+    _kernels_take_amp: bool = True
 
     def __init__(self, params: Any, defaults: dict[str, Any], options: PagingOptions) -> None:
         self._options = options
@@ -231,9 +234,10 @@ class PagedOptimizer(torch.optim.Optimizer):
     def _step_supports_amp_scaling(self) -> bool:
         # Device state: GradScaler hands over its scale and found_inf as device tensors
         # (optimizer.grad_scale / optimizer.found_inf) and the kernels unscale and skip on
-        # the device, as torch's fused optimizers do: no host sync. With release_grads
-        # GradScaler must not try to unscale gradients that are already gone; claiming
-        # support makes it hand them over too, and step() says so.
+        # the device, as torch's fused optimizers do: no host sync. With release_grads the
+        # gradients are in their streams, not p.grad, where GradScaler would unscale them;
+        # claiming support makes it hand the scale over, and the release applies it
+        # (optim/gradient_release.py).
         return self._options.release_grads or self._store.steps_on_a_device()
 
     def _amp_arguments(self, given: Optional[dict[str, Any]] = None) -> dict[str, torch.Tensor]:
@@ -409,7 +413,8 @@ class PagedOptimizer(torch.optim.Optimizer):
             self._release.finish_round(
                 lambda entries, amp: self._step_params(
                     [(p, group_id, grad, {}) for p, group_id, grad in entries], amp),
-                self._amp_arguments(), self._store.steps_on_a_device())
+                self._amp_arguments(),
+                self._kernels_take_amp and self._store.steps_on_a_device())
         except BaseException:
             for name in ("grad_scale", "found_inf"):  # as step() does: see there
                 self.__dict__.pop(name, None)
