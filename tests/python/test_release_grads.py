@@ -352,6 +352,20 @@ def test_the_gradient_streams_page_like_the_state_and_are_reported(tmp_path):
     assert os.path.dirname(stats["page_file"]).startswith(str(tmp_path))
     opt.step()
 
+    def open_page_files():  # the page file is unlinked once open: its descriptor holds it
+        found = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:  # the descriptor listdir itself used
+                continue
+            if target.startswith(stats["page_file"]):
+                found.append(target)
+        return found
+    assert open_page_files()
+    opt.close()  # the gradient streams' page file goes with the state's
+    assert not open_page_files()
+
 
 def test_a_clip_grad_norm_bound_before_the_optimizer_raises_rather_than_leave_gradients_out():
     """`from torch.nn.utils import clip_grad_norm_` before the first release optimizer

@@ -129,6 +129,13 @@ class GradientStore:
         """Empties every stream (zero_grad): the next release starts each sum anew."""
         self._filled.clear()
 
+    def close(self) -> None:
+        """Drops the engine (the last reference: its destructor closes the page file and
+        frees the pinned memory); a later release builds a new one."""
+        self._filled.clear()
+        self._slots.clear()
+        self.engine = None
+
     def _read(self, p: torch.Tensor, slot: int, device: torch.device) -> torch.Tensor:
         raw = self.engine.read_stream(slot, GRADIENT)
         value = raw.view(_stream_dtype(p)).view(_shape(p))

@@ -232,8 +232,9 @@ class GradientRelease:
         for p in late:
             self.release(p, p.grad)
             p.grad = None
-        optimizer._register_release_hooks(
-            [p for p in late if release_hooks.owner_of(p) is not optimizer])
+        unhooked = [p for p in late if release_hooks.owner_of(p) is not optimizer]
+        if unhooked:
+            optimizer._register_release_hooks(unhooked)
 
     def _coefficient_of_max_grad_norm(self, params: list[torch.Tensor], unscaled: bool
                                       ) -> Optional[torch.Tensor]:
@@ -264,6 +265,12 @@ class GradientRelease:
         self.unscaled_norms.clear()
         self.found_inf = None
         self.unscaled_by = None
+
+    def close(self) -> None:
+        """The optimizer was closed: the gradients are dropped with their pages (the page
+        file, pinned memory)."""
+        self.end_round()
+        self.gradients.close()
 
     # -- DDP -------------------------------------------------------------------------------
 

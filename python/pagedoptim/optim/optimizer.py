@@ -92,14 +92,16 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Releases the state now: the page file (its descriptor, and so its disk space),
-        the io_uring ring and pinned buffers. Every later use of the optimizer raises;
-        closing again does nothing."""
+        the io_uring ring and pinned buffers, and those of the released gradients' streams.
+        Every later use of the optimizer raises; closing again does nothing."""
         if self._closed:
             return
         self._closed = True
-        for handle in self._release_hooks:  # backward must no longer step a closed optimizer
+        for handle in self._release_hooks:  # backward must no longer release into it
             handle.remove()
         self._release_hooks.clear()
+        if self._release is not None:
+            self._release.close()
         compiled_step.forget_plan(self)
         self.state = ClosedState(self)  # type: ignore[assignment]
         self._store.close()
