@@ -22,10 +22,11 @@ def test_cpu_params_keep_state_on_the_cpu():
 
 def test_cpu_state_does_not_claim_amp_support():
     """On the CPU GradScaler unscales and checks the grads itself (a CPU .item() costs no
-    device sync); only CUDA state and release_grads take GradScaler's tensors."""
+    device sync), released ones too (through release_guard); only device state takes
+    GradScaler's tensors."""
     p = torch.nn.Parameter(torch.randn(4))
     assert not po.AdamW([p])._step_supports_amp_scaling
-    assert po.AdamW([p], release_grads=True)._step_supports_amp_scaling
+    assert not po.AdamW([p], release_grads=True)._step_supports_amp_scaling
 
 
 @parametrize("config", configs(core=True))

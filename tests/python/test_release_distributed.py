@@ -106,3 +106,65 @@ def test_release_under_ddp_without_register_ddp_raises_before_releasing(ranks):
         message, unchanged = results["unregistered"]
         assert message is not None and "register_ddp" in message, message
         assert unchanged
+
+
+class _Net(torch.nn.Module):
+    """A small model; `unused`: with a layer no forward uses (DDP's find_unused_parameters
+    and static_graph find it)."""
+
+    def __init__(self, unused):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 4)
+        self.unused = torch.nn.Linear(4, 4) if unused else None
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _train_small(rank, release, ddp_kwargs):
+    model = _Net(unused=bool(ddp_kwargs))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
+    # Two optimizers on one DDP module, as with an optimizer per param group.
+    params = list(ddp.parameters())
+    optimizers = [po.AdamW(part, lr=1e-2, weight_decay=0.1, release_grads=release)
+                  for part in (params[:2], params[2:])]
+    if release:
+        for opt in optimizers:
+            opt.register_ddp(ddp)
+    gen = torch.Generator().manual_seed(100 + rank)
+    micro_batches = 1 if ddp_kwargs.get("static_graph") else 2  # DDP: no no_sync with it
+    norms = []
+    for _ in range(4):
+        for micro in range(micro_batches):
+            with contextlib.nullcontext() if micro == micro_batches - 1 else ddp.no_sync():
+                (ddp(torch.randn(4, 8, generator=gen)).pow(3).sum() / 7).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(params, 0.3))
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()], norms
+
+
+def _small_ranks(rank, world_size):
+    torch.set_num_threads(1)
+    return {(name, release): _train_small(rank, release, kwargs)
+            for name, kwargs in [("plain", {}), ("unused", dict(find_unused_parameters=True)),
+                                 ("static", dict(static_graph=True))]
+            for release in (False, True)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ddp_variants_release_as_without_release(world_size, tmp_path):
+    """Three ranks (DDP divides by multiplying with 1/3, not exactly a division), a param
+    DDP finds unused (it keeps no gradient and is not stepped), static_graph, two
+    optimizers registered on one module, no_sync accumulation (but with static_graph, which
+    DDP refuses it with)."""
+    for rank, results in enumerate(run_ranks(_small_ranks, world_size, tmp_path=tmp_path)):
+        for name in ("plain", "unused", "static"):
+            params, norms = results[(name, True)]
+            ref_params, ref_norms = results[(name, False)]
+            assert all(torch.equal(a, b) for a, b in zip(norms, ref_norms)), (rank, name)
+            for index, (p, q) in enumerate(zip(params, ref_params)):
+                assert torch.equal(p, q), (rank, name, index)

@@ -390,3 +390,95 @@ def test_a_clip_grad_norm_bound_before_the_optimizer_raises_rather_than_leave_gr
                           check=True)
     assert "refused: clip_grad_norm_ was given params whose gradients were released" \
         in done.stdout
+
+
+def _zero_grad_loop(release, set_to_none, module):
+    model = Net(torch.float32)
+    opt = po.AdamW(model.parameters(), lr=1e-2, release_grads=release, max_grad_norm=0.5)
+    frozen_after_first = model.hidden
+    for step in range(4):
+        if step == 1:  # from now on no gradient: zero_grad(False) leaves it zeros, stepped
+            frozen_after_first.requires_grad_(False)
+        loss_of(model, step).backward()
+        opt.step()
+        (model if module else opt).zero_grad(set_to_none=set_to_none)
+    return model, opt
+
+
+@pytest.mark.parametrize("module", [False, True], ids=["optimizer", "module"])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_empties_or_zeroes_the_streams_as_it_does_p_grad(set_to_none, module):
+    """optimizer.zero_grad() and a module's zero_grad() (HF Trainer's) act on the streams as
+    on p.grad: set_to_none=False leaves zero gradients, with which the params whose
+    gradients stopped coming are still stepped (weight decay, moments), as without release."""
+    released, opt = _zero_grad_loop(True, set_to_none, module)
+    plain, ref = _zero_grad_loop(False, set_to_none, module)
+    for (name, p), q in zip(released.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), name
+    assert int(opt.state[released.hidden.weight]["step"]) == (4 if not set_to_none else 1)
+    assert torch.equal(opt.last_grad_norm, ref.last_grad_norm)
+
+
+def test_a_module_zero_grad_drops_a_backward_that_raised():
+    """Trainer's auto_find_batch_size retries a batch after an out-of-memory error with
+    model.zero_grad(): the gradients the failed backward had released are dropped."""
+    def run(fail):
+        model = Net(torch.float32)
+        opt = po.AdamW(model.parameters(), lr=1e-2, release_grads=True)
+        if fail:
+            handle = model.embed.weight.register_hook(
+                lambda grad: (_ for _ in ()).throw(torch.OutOfMemoryError("stand-in")))
+            with pytest.raises(torch.OutOfMemoryError):
+                loss_of(model, 0).backward()
+            handle.remove()
+            assert opt._release.gradients.filled()  # some were released
+            model.zero_grad()
+        loss_of(model, 0).backward()
+        opt.step()
+        return model
+    for (name, p), q in zip(run(True).named_parameters(), run(False).parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_a_param_twice_in_a_group_and_in_a_clip_call_is_treated_as_torch_treats_it():
+    """torch steps a param given twice in a group twice, and clip_grad_norm_ given a param
+    twice counts its norm twice and multiplies its gradient twice: so does release."""
+    def run(release):
+        model = Net(torch.float32)
+        params = list(model.parameters())
+        with pytest.warns(UserWarning, match="duplicate"):
+            opt = po.AdamW(params + [params[1]], lr=1e-2, release_grads=release)
+        norms = []
+        for step in range(3):
+            loss_of(model, step).backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(params + [params[2]], 0.5))
+            opt.step()
+            opt.zero_grad()
+        return model, opt, norms
+    released, opt, norms = run(True)
+    plain, _, ref_norms = run(False)
+    for (name, p), q in zip(released.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), name
+    assert all(torch.equal(a, b) for a, b in zip(norms, ref_norms))
+    assert int(opt.state[released.hidden.weight]["step"]) == 6  # stepped twice a step
+
+
+def test_complex_params_sum_their_norms_in_torchs_order():
+    """torch groups gradients by dtype before it adds their norms up: a complex64 gradient's
+    norm (float32) is added in the complex group, not with the fp32 ones."""
+    def run(release, seed):
+        gen = torch.Generator().manual_seed(seed)
+        params = [nn.Parameter(torch.randn(shape, generator=gen, dtype=dtype))
+                  for shape, dtype in [((7, 5), torch.float32), ((6,), torch.complex64),
+                                       ((9,), torch.float32), ((4, 3), torch.complex64)]]
+        opt = po.AdamW(params, lr=1e-2, release_grads=release)
+        sum((p * torch.randn(p.shape, generator=gen, dtype=p.dtype)).abs().sum()
+            for p in params).backward()
+        norm = torch.nn.utils.clip_grad_norm_(params, 0.1)
+        opt.step()
+        return params, norm
+    for seed in range(40):
+        params, norm = run(True, seed)
+        ref_params, ref_norm = run(False, seed)
+        assert torch.equal(norm, ref_norm), seed
+        assert all(torch.equal(p, q) for p, q in zip(params, ref_params)), seed

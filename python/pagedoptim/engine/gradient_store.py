@@ -116,6 +116,22 @@ class GradientStore:
         """Empties p's stream (its gradient was stepped)."""
         del self._filled[p]
 
+    def forget(self, p: torch.Tensor) -> None:
+        """Empties p's stream if it holds a gradient (zero_grad)."""
+        self._filled.pop(p, None)
+
+    def zero(self, p: torch.Tensor, params: list[torch.Tensor]) -> None:
+        """p's stream holds a zero gradient (zero_grad(set_to_none=False))."""
+        slot = self._slot(p, params)
+        size = self.engine.stream_bytes(slot, GRADIENT)
+        self.engine.write_stream(slot, GRADIENT, torch.zeros(size, dtype=torch.uint8))
+        self._filled[p] = None
+
+    @staticmethod
+    def dtype_of(p: torch.Tensor) -> torch.dtype:
+        """The dtype of p's gradient (complex for a complex param)."""
+        return p.dtype
+
     def plan_reads(self, params: list[torch.Tensor]) -> None:
         """Announces that `read` will read these params' streams in this order: a paged store
         reads ahead of them (an empty list ends the plan)."""

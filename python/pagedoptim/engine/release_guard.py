@@ -13,10 +13,13 @@ step() would find nothing. This module puts released gradients where those reade
   whose gradient is None before it reaches torch.
 - **clip_grad_value_** is not routed: given a release optimizer's params and a finite limit
   it raises (an infinite limit changes nothing and goes through).
+- **zero_grad of a module** (`model.zero_grad()`, what HF Trainer calls) empties, or with
+  set_to_none=False zeroes, the gradient streams of the module's released params, as it
+  does their p.grad.
 - **data parallelism**: under DDP the post-accumulate-grad hook fires before the all-reduce,
-  so the gradients must be taken from DDP's communication hook instead
-  (`optimizer.register_ddp(model)`); a multi-rank backward that releases gradients without
-  it raises before anything is released.
+  so the gradients must be taken after it instead (`optimizer.register_ddp(model)`,
+  optim/release_ddp.py); a multi-rank backward that releases a gradient DDP has not reduced
+  raises before anything is released.
 - **GradScaler**: its gradients are scaled until it unscales them, and it looks for infs in
   p.grad. `GradScaler.scale` is wrapped so that the losses it scales mark the backward they
   start with the scaler (the mark lasts until that backward ends, so the inner backward
@@ -37,6 +40,7 @@ released params, before anything is clipped.
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import math
@@ -63,10 +67,10 @@ def watch(optimizer: Any) -> None:
     install()
 
 
-def check_not_data_parallel(ddp_registered: bool) -> None:
-    """Raises in a multi-rank process where no DDP communication hook takes the gradients."""
+def check_not_data_parallel() -> None:
+    """Raises in a multi-rank process: a gradient DDP has not reduced is being released."""
     distributed = torch.distributed
-    if not ddp_registered and distributed.is_available() and distributed.is_initialized() \
+    if distributed.is_available() and distributed.is_initialized() \
             and distributed.get_world_size() > 1:
         raise RuntimeError(
             "release_grads=True under data parallelism (world_size="
@@ -94,40 +98,52 @@ def _check_clip(name: str, parameters: list[torch.Tensor], limit: float) -> None
 
 
 def _release_of(p: torch.Tensor) -> Any:
-    """The GradientRelease that holds a released gradient of p this round, or None."""
+    """The GradientRelease of the optimizer that releases p's gradient, or None."""
     owner = release_hooks.owner_of(p)
-    release = getattr(owner, "_release", None) if owner in _watched else None
-    return release if release is not None and release.released_norm(p) is not None else None
+    return getattr(owner, "_release", None) if owner in _watched else None
 
 
-def _has_released(parameters: list[torch.Tensor]) -> bool:
-    return any(_release_of(p) is not None for p in parameters)
+def _released(parameters: list[torch.Tensor]) -> bool:
+    """Whether any of `parameters` has a released gradient, once the gradients no hook
+    released (a param unfrozen since, a gradient set by hand) are released too: what reads
+    the released gradients must see those in their streams, not in p.grad."""
+    releases = {id(r): r for r in map(_release_of, parameters) if r is not None}
+    for release in releases.values():
+        release.release_late_gradients()
+    return any(r.released_norm(p) is not None
+               for p, r in zip(parameters, map(_release_of, parameters)) if r is not None)
 
 
 def _total_norm(parameters: list[torch.Tensor], error_if_nonfinite: bool) -> torch.Tensor:
-    """clip_grad_norm_'s total norm of the gradients of `parameters`, released or not."""
-    norms = []
+    """clip_grad_norm_'s total norm of the gradients of `parameters`, released or not (a
+    param given twice counts twice, as in torch)."""
+    norms, likes = [], []
     for p in parameters:
         release = _release_of(p)
-        if release is not None:
-            norms.append(release.released_norm(p))
+        released = release.released_norm(p) if release is not None else None
+        if released is not None:
+            norms.append(released[0])
+            likes.append(released[1])
         elif p.grad is not None:
             norms.append(release_clipping.norm_of(p.grad))
-    return release_clipping.total_norm(norms, norms, error_if_nonfinite)
+            likes.append(p.grad)
+    return release_clipping.total_norm(norms, likes, error_if_nonfinite)
 
 
 def _clip(parameters: list[torch.Tensor], max_norm: Optional[float],
           total: torch.Tensor) -> None:
     """Clips plain gradients now and hands released ones their coefficient (applied when
-    step() takes them); max_norm None: only notes the norm."""
+    step() takes them); a param given n times is multiplied n times, as torch does.
+    max_norm None: only notes the norm."""
     coefficient = None if max_norm is None else \
         release_clipping.clip_coefficient(max_norm, total)
-    for p in dict.fromkeys(parameters):
+    for p, times in collections.Counter(parameters).items():
         release = _release_of(p)
-        if release is not None:
-            release.clip(p, coefficient, total)
+        if release is not None and release.released_norm(p) is not None:
+            release.clip(p, coefficient, total, times)
         elif p.grad is not None and coefficient is not None:
-            release_clipping.apply(p.grad, coefficient)
+            for _ in range(times):
+                release_clipping.apply(p.grad, coefficient)
 
 
 def _route_clip_grad_norm(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -140,7 +156,7 @@ def _route_clip_grad_norm(original: Callable[..., Any]) -> Callable[..., Any]:
         if _watched:
             parameters = [parameters] if isinstance(parameters, torch.Tensor) else \
                 list(parameters)  # a generator is consumed here: pass the list on
-            if _has_released(parameters):
+            if _released(parameters):
                 release_clipping.check_norm_type(norm_type, "torch.nn.utils.clip_grad_norm_")
                 total = _total_norm(parameters, error_if_nonfinite)
                 _clip(parameters, float(max_norm), total)
@@ -161,7 +177,7 @@ def _route_accelerate_clip_grad_norm(original: Callable[..., Any]) -> Callable[.
         if _watched and not kwargs:
             parameters = [parameters] if isinstance(parameters, torch.Tensor) else \
                 list(parameters)
-            if _has_released(parameters):
+            if _released(parameters):
                 release_clipping.check_norm_type(norm_type, "Accelerator.clip_grad_norm_")
                 self.unscale_gradients()
                 total = torch.linalg.vector_norm(
@@ -183,12 +199,16 @@ def _guard(original: Callable[..., Any], name: str, limit_argument: str,
 
     @functools.wraps(original)
     def guarded(*args: Any, **kwargs: Any) -> Any:
-        if _watched and len(args) > at:
+        by_keyword = len(args) <= at
+        if _watched and (not by_keyword or "parameters" in kwargs):
             args = list(args)
-            parameters = args[at]
+            parameters = kwargs["parameters"] if by_keyword else args[at]
             parameters = [parameters] if isinstance(parameters, torch.Tensor) else \
-                list(parameters)
-            args[at] = parameters  # a generator is consumed here: pass the list on
+                list(parameters)  # a generator is consumed here: pass the list on
+            if by_keyword:
+                kwargs["parameters"] = parameters
+            else:
+                args[at] = parameters
             limit = kwargs.get(limit_argument, args[at + 1] if len(args) > at + 1 else None)
             if limit is not None:
                 _check_clip(name, parameters, float(limit))
@@ -256,8 +276,10 @@ def _route_unscale_grads(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _unscale_grads_(self: Any, optimizer: Any, inv_scale: torch.Tensor,
                         found_inf: torch.Tensor, allow_fp16: bool) -> dict:
-        found = original(self, optimizer, inv_scale, found_inf, allow_fp16)
         release = getattr(optimizer, "_release", None) if optimizer in _watched else None
+        if release is not None:
+            release.release_late_gradients()  # before GradScaler unscales them in p.grad
+        found = original(self, optimizer, inv_scale, found_inf, allow_fp16)
         if release is None:
             return found
         released_inf = release.unscale(None if allow_fp16 else inv_scale)
@@ -281,7 +303,7 @@ def _refuse_unrouted_clip(original: Callable[..., Any]) -> Callable[..., Any]:
         if _watched:
             parameters = [parameters] if isinstance(parameters, torch.Tensor) else \
                 list(parameters)
-            if _has_released(parameters):
+            if _released(parameters):
                 raise RuntimeError(
                     "clip_grad_norm_ was given params whose gradients were released "
                     "(release_grads=True) through a reference to torch's function taken "
@@ -295,6 +317,26 @@ def _refuse_unrouted_clip(original: Callable[..., Any]) -> Callable[..., Any]:
     return _clip_grads_with_norm_
 
 
+def _route_module_zero_grad(original: Callable[..., Any]) -> Callable[..., Any]:
+    """torch.nn.Module.zero_grad (what HF Trainer calls), which also empties (or zeroes) the
+    gradient streams of the module's released params, as it does their p.grad."""
+    @functools.wraps(original)
+    def zero_grad(self: Any, set_to_none: bool = True) -> None:
+        original(self, set_to_none)
+        if not _watched:
+            return
+        by_release: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+        for p in self.parameters():
+            release = _release_of(p)
+            if release is not None:
+                by_release.setdefault(id(release), (release, []))[1].append(p)
+        for release, params in by_release.values():
+            release.zero(params, set_to_none)
+
+    zero_grad.__wrapped_by_pagedoptim__ = original  # type: ignore[attr-defined]
+    return zero_grad
+
+
 def install() -> None:
     """Wraps GradScaler.scale and the clipping functions that are not wrapped yet: torch's
     always, accelerate's when accelerate is imported (importing it here would cost every
@@ -304,6 +346,9 @@ def install() -> None:
         scaler.scale = _guard_scale(scaler.scale)
     if not hasattr(scaler._unscale_grads_, "__wrapped_by_pagedoptim__"):
         scaler._unscale_grads_ = _route_unscale_grads(scaler._unscale_grads_)
+    module = torch.nn.Module
+    if not hasattr(module.zero_grad, "__wrapped_by_pagedoptim__"):
+        module.zero_grad = _route_module_zero_grad(module.zero_grad)
     utils = torch.nn.utils
     name, limit_argument = _CLIP_VALUE
     if not hasattr(getattr(utils, name), "__wrapped_by_pagedoptim__"):

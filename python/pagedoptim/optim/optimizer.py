@@ -28,7 +28,7 @@ from pagedoptim.engine.state_store import (ONE_OPTIMIZER_PER_DEVICE, StateStore,
                                            replacing_state)
 from pagedoptim.engine.step_batch import StepBatch, refuse_cuda_graph_capture
 from pagedoptim.optim import state_dict as state_dict_bodies
-from pagedoptim.optim import torch_flags, trainer_route_check
+from pagedoptim.optim import release_ddp, torch_flags, trainer_route_check
 from pagedoptim.optim.gradient_release import GradientRelease
 from pagedoptim.paging.options import PagingOptions
 from pagedoptim.state import sharding as sharded_params
@@ -57,9 +57,6 @@ class PagedOptimizer(torch.optim.Optimizer):
     _sparse_gradient_hint: str = ""
     # The store class of the algorithm's state layout.
     _store_class: type = StateStore
-    # Whether the device kernels take GradScaler's grad_scale / found_inf (SkewAdam's do
-    # not: its statistics need the unscaled gradient, so GradScaler unscales first).
-    _kernels_take_amp: bool = True
 
     def __init__(self, params: Any, defaults: dict[str, Any], options: PagingOptions) -> None:
         self._options = options
@@ -67,6 +64,9 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._release_hooks: list[Any] = []
         self._release = GradientRelease(self, options) if options.release_grads else None
         self._last_grad_norm: Optional[torch.Tensor] = None
+        # max_grad_norm clipped p.grad in place for a step that raised: its retry must not
+        # clip the clipped gradients again (zero_grad() or a finished step forgets it).
+        self._clipped_for_step = False
         self._closed = False
         if isinstance(params, (set, frozenset)):
             raise TypeError("params must be an ordered collection (a list, a generator, "
@@ -174,13 +174,13 @@ class PagedOptimizer(torch.optim.Optimizer):
     def register_ddp(self, model: Any) -> None:
         """With release_grads=True under DDP: takes the gradients of `model` (the
         DistributedDataParallel module of this optimizer's params) after DDP's all-reduce,
-        through a communication hook, so every rank steps the same reduced gradient. Call it
-        once after wrapping the model, before the first backward; the module must have no
-        other communication hook."""
+        so every rank steps the same reduced gradient (optim/release_ddp.py). Call it once
+        after wrapping the model, before the first backward; the module must have no
+        communication hook of its own (several optimizers may register on one module)."""
         if self._release is None:
             raise ValueError("register_ddp is for release_grads=True: without release, DDP "
                              "reduces p.grad and step() reads it")
-        self._release.register_ddp(model)
+        release_ddp.register(self._release, model)
 
     # -- parameter groups ------------------------------------------------------------------
 
@@ -220,6 +220,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         # torch warns about a param given twice in one group (and steps it twice); so do we.
         super().add_param_group({**param_group, "params": params})
         if self._options.release_grads:
+            self._release.groups_changed()
             self._register_release_hooks(tensors)
 
     def _register_release_hooks(self, params: list[torch.Tensor]) -> None:
@@ -236,11 +237,10 @@ class PagedOptimizer(torch.optim.Optimizer):
     def _step_supports_amp_scaling(self) -> bool:
         # Device state: GradScaler hands over its scale and found_inf as device tensors
         # (optimizer.grad_scale / optimizer.found_inf) and the kernels unscale and skip on
-        # the device, as torch's fused optimizers do: no host sync. With release_grads the
-        # gradients are in their streams, not p.grad, where GradScaler would unscale them;
-        # claiming support makes it hand the scale over, and the release applies it
-        # (optim/gradient_release.py).
-        return self._options.release_grads or self._store.steps_on_a_device()
+        # the device, as torch's fused optimizers do: no host sync. The same with
+        # release_grads: GradScaler's unscale_ and inf checks reach the released gradients
+        # through release_guard (optim/gradient_release.py).
+        return self._store.steps_on_a_device()
 
     def _amp_arguments(self, given: Optional[dict[str, Any]] = None) -> dict[str, torch.Tensor]:
         """GradScaler's found_inf / grad_scale for this step (set on the optimizer by
@@ -273,7 +273,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         amp = self._amp_arguments() if self._step_supports_amp_scaling else {}
         stepped = [(p, group_id, p.grad, {}) for group_id, group in enumerate(self.param_groups)
                    for p in group["params"] if p.grad is not None]
-        if self._options.max_grad_norm is not None and stepped:
+        if self._options.max_grad_norm is not None and stepped \
+                and not self._clipped_for_step:  # a retried step's gradients are clipped
             if "grad_scale" in amp:
                 raise RuntimeError(
                     f"max_grad_norm={self._options.max_grad_norm} cannot clip gradients "
@@ -282,6 +283,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             # clip_grad_norm_ of the optimizer's params, in their order, as a loop would.
             self._last_grad_norm = torch.nn.utils.clip_grad_norm_(
                 list(dict.fromkeys(p for p, _, _, _ in stepped)), self._options.max_grad_norm)
+            self._clipped_for_step = True
         try:
             self._step_params(stepped, amp)
             if "grad_scale" in amp:
@@ -298,6 +300,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             for name in ("grad_scale", "found_inf"):
                 self.__dict__.pop(name, None)
             raise
+        self._clipped_for_step = False
         return loss
 
     def _step_params(self, pending: list[tuple[torch.Tensor, int, torch.Tensor, dict[str, Any]]],
@@ -400,12 +403,6 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     # -- gradient release (pagedoptim/optim/gradient_release.py) ---------------------------
 
-    def _group_of(self, p: torch.Tensor) -> dict[str, Any]:
-        for group in self.param_groups:
-            if any(q is p for q in group["params"]):
-                return group
-        raise RuntimeError("a released gradient belongs to no parameter group of this optimizer")
-
     def _finish_released_round(self, closure: Any) -> None:
         if closure is not None:
             raise RuntimeError("step(closure) cannot be used with release_grads=True: the "
@@ -415,8 +412,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             self._release.finish_round(
                 lambda entries, amp: self._step_params(
                     [(p, group_id, grad, {}) for p, group_id, grad in entries], amp),
-                self._amp_arguments(),
-                self._kernels_take_amp and self._store.steps_on_a_device())
+                self._amp_arguments() if self._step_supports_amp_scaling else {})
         except BaseException:
             for name in ("grad_scale", "found_inf"):  # as step() does: see there
                 self.__dict__.pop(name, None)
@@ -424,12 +420,14 @@ class PagedOptimizer(torch.optim.Optimizer):
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """torch's zero_grad; with release_grads=True it also empties the gradient streams,
-        as it empties p.grad without release (after a backward that raised midway, out of
-        memory say, the retry starts from no gradient)."""
+        """torch's zero_grad; with release_grads=True it also empties the gradient streams
+        (or, with set_to_none=False, zeroes them), as it does p.grad without release (after a
+        backward that raised midway, out of memory say, the retry starts from no gradient).
+        A module's zero_grad() does the same for its params (engine/release_guard.py)."""
         super().zero_grad(set_to_none)
+        self._clipped_for_step = False
         if self._release is not None:
-            self._release.end_round()
+            self._release.zero(self._store.params(), set_to_none)
 
     # -- state_dict (the bodies: pagedoptim/optim/state_dict.py) ----------------------------
 
@@ -570,6 +568,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._release = GradientRelease(self, self._options) if self._options.release_grads \
             else None
         self._last_grad_norm = None
+        self._clipped_for_step = False
         self._closed = False
         self.state = StateMap(self)
         if self._options.release_grads:

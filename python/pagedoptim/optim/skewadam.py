@@ -190,15 +190,12 @@ class SkewAdam(PagedOptimizer):
 
     # -- the step --------------------------------------------------------------------------
 
-    _kernels_take_amp = False
-
     @property
     def _step_supports_amp_scaling(self) -> bool:
         # The statistics see the whole gradient before the step, so GradScaler unscales and
-        # checks it first (on CUDA that costs GradScaler one sync), except with
-        # release_grads, where the step unscales the released gradients itself and skips on
-        # the host (optim/gradient_release.py: what GradScaler does without release).
-        return self._options.release_grads
+        # checks it first (on CUDA that costs GradScaler one sync); released gradients too,
+        # through release_guard.
+        return False
 
     def _native_step(self, batch: StepBatch) -> None:
         self._store.engine.step_skewadam(*batch.native_args(), batch.layouts)

@@ -8,6 +8,7 @@ only torch's keys).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 from typing import Optional
 
@@ -108,7 +109,7 @@ class PagingOptions:
             raise TypeError(f"release_grads must be a bool, got {type(self.release_grads).__name__}")
         norm = self.max_grad_norm
         if norm is not None:
-            if isinstance(norm, bool) or not isinstance(norm, (int, float)) \
+            if isinstance(norm, bool) or not isinstance(norm, numbers.Real) \
                     or not norm > 0:  # NaN too
                 raise ValueError(f"Invalid max_grad_norm: {norm!r} (expected None or a number "
                                  "> 0: the max_norm clip_grad_norm_ would clip the gradients "
