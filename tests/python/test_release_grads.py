@@ -384,12 +384,17 @@ def test_a_clip_grad_norm_bound_before_the_optimizer_raises_rather_than_leave_gr
         "    clip_grad_norm_(model.parameters(), 1.0)\n"
         "except RuntimeError as error:\n"
         "    print('refused:', error)\n"
+        "try:\n"
+        "    torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, torch.tensor(2.0))\n"
+        "except RuntimeError as error:\n"
+        "    print('refused public:', error)\n"
         "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"
         "opt.step()\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           check=True)
-    assert "refused: clip_grad_norm_ was given params whose gradients were released" \
+    assert "refused: gradients released by release_grads=True reached torch's clipping" \
         in done.stdout
+    assert "refused public: gradients released" in done.stdout
 
 
 def _zero_grad_loop(release, set_to_none, module):

@@ -294,10 +294,11 @@ def _route_unscale_grads(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _refuse_unrouted_clip(original: Callable[..., Any]) -> Callable[..., Any]:
-    """torch's _clip_grads_with_norm_, which clip_grad_norm_ looks up at call time: reached
-    with released params only by a clip_grad_norm_ bound by name before the routing was
-    installed, whose total norm left the released gradients out. Raises before anything is
-    clipped, rather than clip nothing and return a wrong norm."""
+    """torch's _clip_grads_with_norm_, which clip_grad_norm_ looks up at call time, and the
+    public clip_grads_with_norm_: reached with released params only by a clip_grad_norm_
+    bound by name before the routing was installed, or with a total norm the caller took of
+    p.grad (get_total_norm), both of which left the released gradients out. Raises before
+    anything is clipped, rather than clip nothing after a wrong norm."""
     @functools.wraps(original)
     def _clip_grads_with_norm_(parameters: Any, *args: Any, **kwargs: Any) -> None:
         if _watched:
@@ -305,12 +306,13 @@ def _refuse_unrouted_clip(original: Callable[..., Any]) -> Callable[..., Any]:
                 list(parameters)
             if _released(parameters):
                 raise RuntimeError(
-                    "clip_grad_norm_ was given params whose gradients were released "
-                    "(release_grads=True) through a reference to torch's function taken "
-                    "before pagedoptim routed it (`from torch.nn.utils import "
-                    "clip_grad_norm_` before the optimizer was built): its norm leaves them "
-                    "out. Call torch.nn.utils.clip_grad_norm_, or bind it after building the "
-                    "optimizer. Nothing was clipped")
+                    "gradients released by release_grads=True reached torch's clipping "
+                    "without pagedoptim's routing: through a clip_grad_norm_ bound by name "
+                    "before the optimizer was built (`from torch.nn.utils import "
+                    "clip_grad_norm_`), or clip_grads_with_norm_ with a norm from "
+                    "get_total_norm of p.grad; either norm leaves them out. Call "
+                    "torch.nn.utils.clip_grad_norm_ after building the optimizer. Nothing "
+                    "was clipped")
         return original(parameters, *args, **kwargs)
 
     _clip_grads_with_norm_.__wrapped_by_pagedoptim__ = original  # type: ignore[attr-defined]
@@ -360,9 +362,13 @@ def install() -> None:
         routed = _route_clip_grad_norm(utils.clip_grad_norm_)
         utils.clip_grad_norm_ = routed
         utils.clip_grad.clip_grad_norm_ = routed
-    inner = getattr(utils.clip_grad, "_clip_grads_with_norm_", None)
-    if inner is not None and not hasattr(inner, "__wrapped_by_pagedoptim__"):
-        utils.clip_grad._clip_grads_with_norm_ = _refuse_unrouted_clip(inner)
+    # torch's function looks its inner one up at call time; the public one (torch 2.6+) is
+    # the inner one wrapped in no_grad, bound at import.
+    for owner, name in ((utils.clip_grad, "_clip_grads_with_norm_"),
+                        (utils, "clip_grads_with_norm_")):
+        inner = getattr(owner, name, None)
+        if inner is not None and not hasattr(inner, "__wrapped_by_pagedoptim__"):
+            setattr(owner, name, _refuse_unrouted_clip(inner))
     accelerate = sys.modules.get("accelerate")
     accelerator = getattr(accelerate, "Accelerator", None)
     if accelerator is None:
