@@ -920,6 +920,53 @@ def test_release_grads_matches_a_plain_step(name, fmt):
                                 plain_opt, released_params, released_opt)
 
 
+@pytest.mark.parametrize("scaled", [False, True], ids=["bf16-autocast", "fp16-gradscaler"])
+@pytest.mark.parametrize("name", ["adamw", "lion"])
+def test_release_grads_clips_accumulates_and_scales_as_a_plain_step(name, scaled):
+    """Gradient release on the device: two micro-batches, clip_grad_norm_ to a max_norm
+    that clips, and either bf16 autocast or fp16 autocast under GradScaler (whose first
+    step overflows and is skipped) give the bits of the loop without release; the norms
+    too (docs/gradient_release.md)."""
+    factory, defaults, _ = OPTIMIZERS[name]
+    kwargs = dict(defaults, state_bits=8, master_bits=24)
+    torch.manual_seed(0)
+    template = _MLP()
+    gen = torch.Generator().manual_seed(1)
+    batches = [[(torch.randn(24, 96, generator=gen), torch.randn(24, 33, generator=gen))
+                for _ in range(2)] for _ in range(4)]
+    device_type = torch.device(DEVICE).type
+    INIT_SCALE = 2.0 ** 20  # the first steps overflow in fp16
+
+    def train(release):
+        model = copy.deepcopy(template).to(device=DEVICE)
+        opt = factory(model.parameters(), release_grads=release, **kwargs, **ON_DEVICE)
+        scaler = torch.amp.GradScaler(device_type, init_scale=INIT_SCALE, enabled=scaled)
+        norms = []
+        for micro_batches in batches:
+            for x, y in micro_batches:
+                with torch.autocast(device_type,
+                                    dtype=torch.float16 if scaled else torch.bfloat16):
+                    out = model(x.to(DEVICE))
+                loss = (out.float() - y.to(DEVICE)).pow(2).mean() / len(micro_batches)
+                scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+        return list(model.parameters()), opt, norms, scaler.get_scale()
+
+    plain_params, plain_opt, plain_norms, plain_scale = train(release=False)
+    released_params, released_opt, released_norms, released_scale = train(release=True)
+    assert released_scale == plain_scale
+    assert not scaled or plain_scale < INIT_SCALE  # a step was skipped
+    assert sum(float(n) > 0.05 for n in plain_norms if torch.isfinite(n)) >= 2  # clipped
+    for norm, plain_norm in zip(released_norms, plain_norms):
+        torch.testing.assert_close(norm, plain_norm, rtol=0, atol=0, equal_nan=True)
+    assert_optimizers_identical(f"{name} release_grads scaled={scaled}", plain_params,
+                                plain_opt, released_params, released_opt)
+
+
 # -- errors ----------------------------------------------------------------------------------
 
 
