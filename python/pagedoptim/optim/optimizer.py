@@ -224,8 +224,8 @@ class PagedOptimizer(torch.optim.Optimizer):
             self._register_release_hooks(tensors)
 
     def _register_release_hooks(self, params: list[torch.Tensor]) -> None:
-        # Once per param: a param given twice in a group is stepped once per backward here
-        # (each backward completes its gradient once), where step() would step it twice.
+        # Once per param: each backward completes a param's gradient once, however often the
+        # param is given (step() then steps it once per time it is given, as torch does).
         # The hooks hold this optimizer weakly (engine/release_hooks.py). A param frozen
         # now gets its hook when it first has a gradient (GradientRelease.finish_round).
         self._release_hooks += release_hooks.claim(
