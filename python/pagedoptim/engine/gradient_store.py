@@ -4,7 +4,7 @@ step(): a gradient stream per param in pages of its own native `PagedState`.
 With `release_grads=True` a post-accumulate-grad hook hands each gradient over as soon as
 autograd has produced it (engine/release_hooks.py); the optimizer adds it to the param's
 stream here and frees the device gradient, so backward never holds more than the gradients
-autograd is producing at that moment. step() takes the streams back one param at a time, in
+autograd is producing at that moment. step() reads the streams back in batches of params, in
 the order they were released (optim/gradient_release.py).
 
 Why a store of its own, not one more stream in the state's pages: the gradient is not state
