@@ -475,3 +475,13 @@ def test_a_pagedoptim_trainer_checkpoint_resumes_with_torch_adamw_after_convert(
         p.grad = torch.ones_like(p)
     opt.step()  # the guard finds fp32 moments: torch steps them
     assert all(int(s["step"]) == 3 for s in opt.state.values())
+
+
+def test_accelerates_clipping_methods_are_routed_once_accelerate_is_imported():
+    """install() (at a release optimizer's construction and first release) wraps both of
+    accelerate's clipping methods whenever accelerate is imported."""
+    import accelerate
+    from pagedoptim.engine import release_guard
+    release_guard.install()
+    for name in ("clip_grad_norm_", "clip_grad_value_"):
+        assert hasattr(getattr(accelerate.Accelerator, name), "__wrapped_by_pagedoptim__"), name

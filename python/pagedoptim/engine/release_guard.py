@@ -364,15 +364,16 @@ def install() -> None:
         utils.clip_grad.clip_grad_norm_ = routed
     # torch's function looks its inner one up at call time; the public one (torch 2.6+) is
     # the inner one wrapped in no_grad, bound at import.
-    for owner, name in ((utils.clip_grad, "_clip_grads_with_norm_"),
-                        (utils, "clip_grads_with_norm_")):
-        inner = getattr(owner, name, None)
+    for owner, attribute in ((utils.clip_grad, "_clip_grads_with_norm_"),
+                             (utils, "clip_grads_with_norm_")):
+        inner = getattr(owner, attribute, None)
         if inner is not None and not hasattr(inner, "__wrapped_by_pagedoptim__"):
-            setattr(owner, name, _refuse_unrouted_clip(inner))
+            setattr(owner, attribute, _refuse_unrouted_clip(inner))
     accelerate = sys.modules.get("accelerate")
     accelerator = getattr(accelerate, "Accelerator", None)
     if accelerator is None:
         return
+    name, limit_argument = _CLIP_VALUE
     current = getattr(accelerator, name, None)
     if current is not None and not hasattr(current, "__wrapped_by_pagedoptim__"):
         setattr(accelerator, name, _guard(current, f"Accelerator.{name}", limit_argument,
