@@ -23,7 +23,7 @@ release, so release changes where the gradient lives and nothing else.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -50,8 +50,12 @@ class GradientStore:
     the sum of the gradients released since; `filled()` lists the second kind in release
     order."""
 
-    def __init__(self, options: PagingOptions) -> None:
+    def __init__(self, options: PagingOptions,
+                 all_params: Callable[[], list[torch.Tensor]]) -> None:
+        # Every param of the optimizer: the engine, created at the first release, chooses its
+        # page size for all of them (asked then, not on every release).
         self.options = options
+        self._all_params = all_params
         self.engine: Any = None
         self.device: Optional[torch.device] = None
         self._slots: dict[torch.Tensor, int] = {}
@@ -59,10 +63,11 @@ class GradientStore:
 
     # -- layout ----------------------------------------------------------------------------
 
-    def _ensure_engine(self, params: list[torch.Tensor]) -> Any:
-        """The engine, created at the first release with room for every param given."""
+    def _ensure_engine(self) -> Any:
+        """The engine, created at the first release with room for every param."""
         if self.engine is not None:
             return self.engine
+        params = self._all_params()
         self.device = params[0].device
         store = paging.store_options(self.options)
         planned = [(_kind(p), _numel(p), 0) for p in dict.fromkeys(params)]
@@ -77,10 +82,10 @@ class GradientStore:
             paging.warn_about_fallbacks(self.engine)
         return self.engine
 
-    def _slot(self, p: torch.Tensor, params: list[torch.Tensor]) -> int:
+    def _slot(self, p: torch.Tensor) -> int:
         slot = self._slots.get(p)
         if slot is None:
-            engine = self._ensure_engine(params)
+            engine = self._ensure_engine()
             slot = self._slots[p] = engine.register_param(_numel(p), _kind(p), 0)
         return slot
 
@@ -93,12 +98,10 @@ class GradientStore:
         """The params whose stream holds a gradient, in the order of their first release."""
         return list(self._filled)
 
-    def accumulate(self, p: torch.Tensor, grad: torch.Tensor,
-                   params: list[torch.Tensor]) -> torch.Tensor:
+    def accumulate(self, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """Adds `grad` (p's gradient, on p's device) to p's stream and returns the sum on p's
-        device: `grad` itself for the first gradient since the stream was emptied. `params`:
-        every param of the optimizer (the engine's page size is chosen for all of them)."""
-        slot = self._slot(p, params)
+        device: `grad` itself for the first gradient since the stream was emptied."""
+        slot = self._slot(p)
         if p in self._filled:
             total = self._read(p, slot, grad.device)
             total.add_(grad)
@@ -120,17 +123,12 @@ class GradientStore:
         """Empties p's stream if it holds a gradient (zero_grad)."""
         self._filled.pop(p, None)
 
-    def zero(self, p: torch.Tensor, params: list[torch.Tensor]) -> None:
+    def zero(self, p: torch.Tensor) -> None:
         """p's stream holds a zero gradient (zero_grad(set_to_none=False))."""
-        slot = self._slot(p, params)
+        slot = self._slot(p)
         size = self.engine.stream_bytes(slot, GRADIENT)
         self.engine.write_stream(slot, GRADIENT, torch.zeros(size, dtype=torch.uint8))
         self._filled[p] = None
-
-    @staticmethod
-    def dtype_of(p: torch.Tensor) -> torch.dtype:
-        """The dtype of p's gradient (complex for a complex param)."""
-        return p.dtype
 
     def plan_reads(self, params: list[torch.Tensor]) -> None:
         """Announces that `read` will read these params' streams in this order: a paged store

@@ -57,7 +57,7 @@ class GradientRelease:
 
     def __init__(self, optimizer: Any, options: PagingOptions) -> None:
         self._optimizer = weakref.ref(optimizer)
-        self.gradients = GradientStore(options)
+        self.gradients = GradientStore(options, lambda: self.optimizer._store.params())
         self.max_grad_norm = options.max_grad_norm
         self.last_grad_norm: Optional[torch.Tensor] = None
         self.ddp_params: set[int] = set()  # ids of the params DDP reduces (release_ddp.py)
@@ -128,7 +128,7 @@ class GradientRelease:
                 "gradients while scaled. Call unscale_ after the last backward before step()")
         optimizer = self.optimizer
         grad = optimizer._dense_grad(p, grad, self._group_of(p))
-        total = self.gradients.accumulate(p, grad, optimizer._store.params())
+        total = self.gradients.accumulate(p, grad)
         self._note(p, total)
         scaler = release_guard.scaler_of_backward()
         if scaler is not None:
@@ -295,9 +295,9 @@ class GradientRelease:
         if not self.gradients.filled():
             self._reset_round()
         for p in zeroed:
-            self.gradients.zero(p, self.optimizer._store.params())
+            self.gradients.zero(p)
             # A zero gradient's norm is 0 (of its dtype), whatever its size.
-            self._note(p, torch.zeros(1, dtype=self.gradients.dtype_of(p), device=p.device))
+            self._note(p, torch.zeros(1, dtype=p.dtype, device=p.device))
 
     def _forget(self, p: torch.Tensor) -> None:
         self.gradients.forget(p)
